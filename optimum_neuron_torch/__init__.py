@@ -1,0 +1,14 @@
+"""optimum-neuron-torch: Hugging Face Transformers on the PyTorch `neuron` device.
+
+`import optimum_neuron_torch` activates the `neuron` device: TorchNeuron on a Trainium instance,
+the bundled reference device everywhere else.
+"""
+
+__version__ = "0.1.0.dev0"
+
+from .device import backend_info, clear_op_tracking, executed_ops, fallback_ops  # noqa: E402
+from .device.backend import activate as _activate  # noqa: E402
+
+_activate()
+
+__all__ = ["__version__", "backend_info", "clear_op_tracking", "executed_ops", "fallback_ops"]

@@ -1,0 +1,98 @@
+"""The reference `neuron` device: a PrivateUse1 backend in host memory, used when TorchNeuron is
+not installed. It mirrors TorchNeuron's API (`torch.neuron`) and its limits (a support profile
+whose other ops take a counted CPU fallback path)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...errors import ConfigurationError
+from . import torch_module
+from .build import load_extension
+from .profiles import VIEW_OPS, Profile, load_profile
+from .settings import FALLBACK_MODES, Settings, read_settings
+
+DEVICE_NAME = "neuron"
+_FALLBACK_CODES = {mode: code for code, mode in enumerate(FALLBACK_MODES)}
+
+
+@dataclass
+class ReferenceState:
+    """What the activated reference device runs with."""
+
+    extension: Any
+    settings: Settings
+    profile: Profile
+
+
+_state: ReferenceState | None = None
+
+
+def activate() -> ReferenceState:
+    """Builds (or loads) the extension and registers it as PyTorch's `neuron` device. Idempotent.
+
+    The caller has checked that PrivateUse1 is free: loading a second backend aborts the process.
+    """
+    global _state
+    if _state is not None:
+        return _state
+    settings = read_settings()
+    profile = load_profile(settings.profile)
+    extension = load_extension()
+
+    extension.set_device_count(settings.device_count)
+    extension.set_capacity(settings.device_memory)
+    torch.utils.rename_privateuse1_backend(DEVICE_NAME)
+    extension.register_hooks()
+    torch_module.bind(extension)
+    torch._register_device_module(DEVICE_NAME, torch_module)
+    torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
+    # Trainium's lower-precision dtype; torch.autocast("neuron", dtype=...) still overrides it.
+    torch.set_autocast_dtype(DEVICE_NAME, torch.bfloat16)
+
+    _state = ReferenceState(extension, settings, profile)
+    set_profile(profile)
+    set_fallback_mode(settings.fallback)
+    extension.set_fallback_copies(settings.fallback_copies)
+    return _state
+
+
+def state() -> ReferenceState:
+    if _state is None:
+        raise RuntimeError("the reference neuron device is not active")
+    return _state
+
+
+def set_profile(profile: Profile | str) -> Profile:
+    """Switches the support profile (`torchneuron`, `full`, or an op-list path) for the process."""
+    current = state()
+    if isinstance(profile, str):
+        profile = load_profile(profile)
+    ops = sorted(profile.native_ops | VIEW_OPS) if profile.native_ops is not None else []
+    current.extension.set_profile(profile.native_ops is None, ops)
+    current.profile = profile
+    return profile
+
+
+def set_fallback_mode(mode: str) -> None:
+    """`warn` (one warning per op), `error` (a fallback raises) or `silent`."""
+    if mode not in _FALLBACK_CODES:
+        raise ConfigurationError(f"unknown fallback mode {mode!r}: use one of {', '.join(FALLBACK_MODES)}.")
+    state().extension.set_fallback_mode(_FALLBACK_CODES[mode])
+
+
+def fallback_mode() -> str:
+    return FALLBACK_MODES[state().extension.fallback_mode()]
+
+
+def set_fallback_copies(copies: bool) -> None:
+    """When true, the fallback path copies inputs to the CPU and results back, as TorchNeuron does."""
+    state().extension.set_fallback_copies(bool(copies))
+
+
+def fallback_stats() -> dict[str, tuple[int, float]]:
+    """{op: (calls, seconds)} for every op that took the fallback path since the last clear."""
+    return {op: (calls, ns / 1e9) for op, calls, ns in sorted(state().extension.fallback_stats())}

@@ -1,0 +1,41 @@
+// Python bindings of the reference device (`optimum_neuron_torch.device.reference._C`).
+#include "neuron.h"
+
+#include <torch/csrc/Generator.h>
+#include <torch/extension.h>
+
+namespace {
+
+py::object default_generator(c10::DeviceIndex index) {
+  return py::reinterpret_steal<py::object>(THPGenerator_initDefaultGenerator(neuron::default_generator(index)));
+}
+
+py::list fallback_stats() {
+  py::list stats;
+  for (const auto& stat : neuron::fallback_stats()) {
+    stats.append(py::make_tuple(stat.op, stat.calls, stat.nanoseconds));
+  }
+  return stats;
+}
+
+} // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "The reference neuron device: a PrivateUse1 backend in host memory.";
+  m.def("register_hooks", &neuron::register_hooks, "Make neuron the process's PrivateUse1 accelerator.");
+  m.def("device_count", &neuron::device_count);
+  m.def("set_device_count", &neuron::set_device_count);
+  m.def("current_device", &neuron::current_device);
+  m.def("set_current_device", &neuron::set_current_device);
+  m.def("capacity", &neuron::capacity, "Device memory capacity in bytes, per device.");
+  m.def("set_capacity", &neuron::set_capacity);
+  m.def("default_generator", &default_generator);
+  m.def("set_profile", &neuron::set_profile, py::arg("all_native"), py::arg("native_ops"));
+  m.def("set_fallback_mode", [](int mode) { neuron::set_fallback_mode(static_cast<neuron::FallbackMode>(mode)); });
+  m.def("fallback_mode", [] { return static_cast<int>(neuron::fallback_mode()); });
+  m.def("set_fallback_copies", &neuron::set_fallback_copies);
+  m.def("fallback_copies", &neuron::fallback_copies);
+  m.def("fallback_stats", &fallback_stats, "(op, calls, nanoseconds) of every op that fell back.");
+  m.def("executed_ops", &neuron::executed_ops);
+  m.def("clear_op_tracking", &neuron::clear_op_tracking);
+}

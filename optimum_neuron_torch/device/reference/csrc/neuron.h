@@ -1,0 +1,71 @@
+// The reference `neuron` device: a PrivateUse1 backend whose memory is host memory.
+// Declarations shared by the translation units of this extension.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace neuron {
+
+constexpr c10::DeviceType kNeuron = c10::DeviceType::PrivateUse1;
+
+// ---- devices (runtime.cpp) ----
+c10::DeviceIndex device_count();
+void set_device_count(c10::DeviceIndex count);
+c10::DeviceIndex current_device();
+void set_current_device(c10::DeviceIndex index);
+void check_device_index(c10::DeviceIndex index);
+
+void register_hooks();
+
+// ---- memory (allocator.cpp) ----
+c10::DeviceAllocator* device_allocator();
+void set_capacity(std::size_t bytes);
+std::size_t capacity();
+// Take ownership of host memory allocated elsewhere (a CPU kernel's output) as device memory
+// of `device`, accounting for it like an allocation (and raising OutOfMemoryError past capacity).
+c10::DataPtr adopt(c10::DataPtr&& host, std::size_t nbytes, c10::DeviceIndex device);
+c10::Allocator* pinned_allocator();
+bool is_pinned(const void* ptr);
+
+// ---- random numbers (runtime.cpp) ----
+const at::Generator& default_generator(c10::DeviceIndex index);
+at::Generator new_generator(c10::DeviceIndex index);
+// The CPU generator a `neuron` generator draws from: CPU kernels only accept CPU generators.
+at::Generator cpu_generator_of(const at::Generator& gen);
+
+// ---- host views (fallback.cpp) ----
+// A CPU tensor over the same memory as a `neuron` tensor (no copy).
+at::Tensor host_view(const at::Tensor& t);
+// A `neuron` tensor owning the memory of a CPU tensor: adopted when nothing else holds it, else copied.
+at::Tensor to_device(const at::Tensor& cpu, c10::DeviceIndex device);
+
+// ---- support profile and op tracking (fallback.cpp) ----
+enum class FallbackMode : int { Warn = 0, Error = 1, Silent = 2 };
+void set_profile(bool all_native, const std::vector<std::string>& native_ops);
+void set_fallback_mode(FallbackMode mode);
+FallbackMode fallback_mode();
+void set_fallback_copies(bool copies);
+bool fallback_copies();
+// Counts one call of an op implemented by an explicit kernel of this extension, as the
+// profile says (executed natively, or a fallback).
+void track_explicit(const char* name);
+
+struct FallbackStat {
+  std::string op;
+  int64_t calls;
+  int64_t nanoseconds;
+};
+std::vector<FallbackStat> fallback_stats();
+std::vector<std::string> executed_ops();
+void clear_op_tracking();
+
+void boxed_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+
+} // namespace neuron
