@@ -27,7 +27,7 @@ from .settings import cache_dir
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-CFLAGS = ["-O2", "-std=c++17"]
+CFLAGS = ["-O2"]
 
 
 def _compiler() -> str:

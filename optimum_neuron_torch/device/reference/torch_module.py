@@ -23,6 +23,7 @@ def bind(extension: Any) -> None:
 
 
 DeviceLike = torch.device | str | int | None
+_PRIVATEUSE1_TYPE = 20  # c10::DeviceType::PrivateUse1
 
 
 def _index(device: DeviceLike = None) -> int:
@@ -172,11 +173,9 @@ class Stream(torch.Stream):
         return super().__new__(cls, device=torch.device("neuron", _index(device)), priority=priority)
 
 
-class Event(torch.Event):
-    """A neuron event; `elapsed_time` measures host time between two records."""
-
-    def __new__(cls, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> "Event":
-        return super().__new__(cls, device="neuron", enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
+def Event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> torch.Event:
+    """A neuron event (a `torch.Event`); `elapsed_time` measures host time between two records."""
+    return torch.Event(device="neuron", enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
 
 
 def current_stream(device: DeviceLike = None) -> torch.Stream:
@@ -184,7 +183,7 @@ def current_stream(device: DeviceLike = None) -> torch.Stream:
 
 
 def default_stream(device: DeviceLike = None) -> torch.Stream:
-    return torch.Stream(stream_id=0, device_index=_index(device), device_type=torch.device("neuron").type_index if hasattr(torch.device("neuron"), "type_index") else 20)
+    return torch.Stream(stream_id=0, device_index=_index(device), device_type=_PRIVATEUSE1_TYPE)
 
 
 def set_stream(stream: torch.Stream) -> None:

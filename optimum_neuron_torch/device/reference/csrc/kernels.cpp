@@ -6,6 +6,7 @@
 #include <ATen/SDPBackend.h>
 #include <ATen/native/CPUFallback.h>
 #include <ATen/native/Resize.h>
+#include <ATen/native/transformers/attention.h>
 #include <ATen/ops/as_strided_cpu_dispatch.h>
 #include <ATen/ops/set_cpu_dispatch.h>
 #include <ATen/ops/set_native.h>
@@ -96,6 +97,24 @@ at::Scalar local_scalar_dense(const at::Tensor& self) {
   return at::native::_local_scalar_dense_cpu(host_view(self));
 }
 
+// ---- dropout ----
+// native_dropout takes no generator argument: the CPU kernel would draw from the CPU default
+// generator, so the device's own generator would not make it reproducible.
+
+std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p, std::optional<bool> train) {
+  track_explicit("aten::native_dropout");
+  const c10::DeviceIndex device = input.device().index();
+  at::Tensor host = host_view(input);
+  if (train.has_value() && !*train) {
+    return {to_device(host.clone(), device), to_device(at::ones_like(host, at::kBool), device)};
+  }
+  const double keep = 1.0 - p;
+  at::Tensor mask = at::empty_like(host, at::MemoryFormat::Contiguous);
+  mask.bernoulli_(keep, cpu_generator_of(default_generator(device)));
+  at::Tensor output = host.mul(mask).mul_(keep == 0.0 ? 0.0 : 1.0 / keep);
+  return {to_device(output, device), to_device(mask.to(at::kBool), device)};
+}
+
 // ---- fused attention ----
 // The overrideable SDPA backend is the one TorchNeuron implements; it runs the CPU flash kernel.
 
@@ -109,7 +128,9 @@ int64_t fused_sdp_choice(const at::Tensor& query, const at::Tensor& key, const a
   const int64_t cpu_choice = at::_fused_sdp_choice(host_view(query), host_view(key), host_view(value), mask,
                                                    dropout_p, is_causal, scale, enable_gqa);
   const bool flash = cpu_choice == static_cast<int64_t>(at::SDPBackend::flash_attention);
-  return static_cast<int64_t>(flash && dropout_p == 0.0 ? at::SDPBackend::overrideable : at::SDPBackend::math);
+  const bool same_heads = query.dim() < 3 || query.sym_size(-3) == key.sym_size(-3);
+  return static_cast<int64_t>(flash && dropout_p == 0.0 && same_heads ? at::SDPBackend::overrideable
+                                                                       : at::SDPBackend::math);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, at::Tensor, at::Tensor, at::Tensor>
@@ -283,9 +304,9 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_copy_from", copy_from);
   m.impl("_copy_from_and_resize", copy_from_and_resize);
   m.impl("_local_scalar_dense", local_scalar_dense);
-  m.impl("_fused_sdp_choice", fused_sdp_choice);
   m.impl("_scaled_dot_product_fused_attention_overrideable", fused_attention);
   m.impl("_scaled_dot_product_fused_attention_overrideable_backward", fused_attention_backward);
+  m.impl("native_dropout", native_dropout);
   m.impl("convolution_overrideable", convolution);
   m.impl("convolution_backward_overrideable", convolution_backward);
   m.impl("_thnn_fused_lstm_cell", lstm_cell);
@@ -303,3 +324,8 @@ TORCH_LIBRARY_IMPL(aten, Negative, m) {
 }
 
 } // namespace neuron
+
+// SDPA asks this stub which backend runs attention on the device.
+namespace at::native {
+REGISTER_PRIVATEUSE1_DISPATCH(_fused_sdp_choice_stub, &neuron::fused_sdp_choice)
+} // namespace at::native

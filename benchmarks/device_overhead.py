@@ -1,0 +1,285 @@
+#!/usr/bin/env python
+"""Per-op overhead of the `neuron` device against the CPU, measured in one run.
+
+Small ops (16x16 add, in-place add, 64x64 mm, view, sum + .item(), 16x16 randn) and a tiny
+Llama forward (built from a config with a fixed seed, nothing downloaded) run on the CPU and on
+`neuron`. Each case is timed in blocks of many back-to-back calls with `time.perf_counter_ns`;
+CPU and neuron blocks are interleaved so that drift hits both alike, and the per-call time is
+the median over the blocks (the minimum is printed as well). The overhead is neuron minus CPU.
+
+Usage:
+    python benchmarks/device_overhead.py [--threads 1] [--profile full|torchneuron]
+
+The target is at most 2 us of overhead per small op with the `full` profile (every op native,
+no fallback accounting). The environment is set before `optimum_neuron_torch` is imported:
+OPTIMUM_NEURON_TORCH_PROFILE from --profile, OPTIMUM_NEURON_TORCH_FALLBACK=silent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+TARGET_US = 2.0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    parser.add_argument("--profile", choices=("full", "torchneuron"), default="full",
+                        help="support profile of the reference device (default full)")
+    parser.add_argument("--blocks", type=int, default=15, help="timing blocks per case and device (default 15)")
+    parser.add_argument("--block-ms", type=float, default=20.0,
+                        help="target duration of one timing block in ms; sets the calls per block (default 20)")
+    parser.add_argument("--target-us", type=float, default=TARGET_US,
+                        help=f"overhead target per small op in us (default {TARGET_US})")
+    return parser.parse_args(argv)
+
+
+ARGS = parse_args()
+# Must happen before optimum_neuron_torch is imported: the device reads them at activation.
+os.environ["OPTIMUM_NEURON_TORCH_PROFILE"] = ARGS.profile
+os.environ["OPTIMUM_NEURON_TORCH_FALLBACK"] = "silent"
+
+import torch  # noqa: E402
+
+import optimum_neuron_torch  # noqa: E402,F401  (registers the `neuron` device)
+from optimum_neuron_torch.device import backend_info, clear_op_tracking, fallback_ops  # noqa: E402
+
+
+@dataclass
+class Result:
+    name: str
+    small: bool
+    calls_per_block: int
+    cpu_ns: list[float]  # per-call ns, one entry per block
+    neuron_ns: list[float]
+
+    @property
+    def cpu_us(self) -> float:
+        return statistics.median(self.cpu_ns) / 1e3
+
+    @property
+    def neuron_us(self) -> float:
+        return statistics.median(self.neuron_ns) / 1e3
+
+    @property
+    def overhead_us(self) -> float:
+        return self.neuron_us - self.cpu_us
+
+    @property
+    def min_overhead_us(self) -> float:
+        return (min(self.neuron_ns) - min(self.cpu_ns)) / 1e3
+
+    @property
+    def ratio(self) -> float:
+        return self.neuron_us / self.cpu_us
+
+
+def _block(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
+    """Per-call ns of `calls` back-to-back calls of `fn`."""
+    start = time.perf_counter_ns()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter_ns() - start) / calls
+
+
+def _calls_per_block(fn: Callable[[], object], block_ms: float) -> int:
+    calls = 1
+    while True:
+        start = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        elapsed = time.perf_counter_ns() - start
+        if elapsed >= 2e6 or calls >= 1 << 20:  # at least 2 ms of calibration
+            per_call = elapsed / calls
+            return max(1, int(block_ms * 1e6 / per_call))
+        calls *= 2
+
+
+def measure(name: str, small: bool, cpu_fn: Callable[[], object], neuron_fn: Callable[[], object],
+            blocks: int, block_ms: float) -> Result:
+    no_sync = lambda: None  # noqa: E731
+    neuron_sync = torch.neuron.synchronize  # a no-op on the synchronous reference device
+    # Warm up both (first-call costs: op entry lookup, allocator, lazy init).
+    for fn in (cpu_fn, neuron_fn):
+        for _ in range(50):
+            fn()
+    calls = _calls_per_block(cpu_fn, block_ms)  # the same call count on both devices
+    cpu_ns, neuron_ns = [], []
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(blocks):
+            # Alternate which device goes first so that neither always follows the other.
+            if i % 2 == 0:
+                cpu_ns.append(_block(cpu_fn, calls, no_sync))
+                neuron_ns.append(_block(neuron_fn, calls, neuron_sync))
+            else:
+                neuron_ns.append(_block(neuron_fn, calls, neuron_sync))
+                cpu_ns.append(_block(cpu_fn, calls, no_sync))
+    finally:
+        gc.enable()
+    return Result(name, small, calls, cpu_ns, neuron_ns)
+
+
+def small_op_cases() -> list[tuple[str, Callable[[], object], Callable[[], object]]]:
+    torch.manual_seed(0)
+    a16, b16 = torch.randn(16, 16), torch.randn(16, 16)
+    a64, b64 = torch.randn(64, 64), torch.randn(64, 64)
+    tensors = {}
+    for dev in ("cpu", "neuron"):
+        tensors[dev] = dict(
+            a16=a16.to(dev), b16=b16.to(dev), a64=a64.to(dev), b64=b64.to(dev),
+            acc=a16.clone().to(dev),  # target of the in-place add
+        )
+
+    # Correctness check before timing: the device computes what the CPU computes.
+    c, n = tensors["cpu"], tensors["neuron"]
+    assert torch.equal((n["a16"] + n["b16"]).cpu(), c["a16"] + c["b16"])
+    assert torch.allclose(torch.mm(n["a64"], n["b64"]).cpu(), torch.mm(c["a64"], c["b64"]), atol=1e-5)
+    assert n["a16"].sum().item() == c["a16"].sum().item()
+
+    def cases_for(dev: str) -> dict[str, Callable[[], object]]:
+        t = tensors[dev]
+        a16, b16, a64, b64, acc = t["a16"], t["b16"], t["a64"], t["b64"], t["acc"]
+        device = torch.device(dev)
+        return {
+            "add 16x16": lambda: a16 + b16,
+            "add_ 16x16 (in place)": lambda: acc.add_(b16),
+            "mm 64x64": lambda: torch.mm(a64, b64),
+            "view 16x16 -> 256": lambda: a16.view(256),
+            "sum 16x16 + .item()": lambda: a16.sum().item(),
+            "randn 16x16": lambda: torch.randn(16, 16, device=device),
+        }
+
+    cpu_cases, neuron_cases = cases_for("cpu"), cases_for("neuron")
+    return [(name, cpu_cases[name], neuron_cases[name]) for name in cpu_cases]
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    cpu_model = LlamaForCausalLM(config).eval()
+    torch.manual_seed(0)
+    neuron_model = LlamaForCausalLM(config).eval().to("neuron")
+    ids = torch.randint(0, config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(0))
+    cpu_ids, neuron_ids = ids, ids.to("neuron")
+
+    def cpu_fn():
+        return cpu_model(input_ids=cpu_ids, use_cache=False).logits
+
+    def neuron_fn():
+        return neuron_model(input_ids=neuron_ids, use_cache=False).logits
+
+    with torch.no_grad():
+        diff = (neuron_fn().cpu() - cpu_fn()).abs().max().item()
+    return cpu_fn, neuron_fn, diff, config
+
+
+def count_aten_ops(fn: Callable[[], object]) -> int:
+    """ATen ops that one call of `fn` dispatches below autograd (as the backend sees them)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counter(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counter.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Counter():
+        fn()
+    return Counter.count
+
+
+def cpu_model_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main() -> int:
+    torch.set_num_threads(ARGS.threads)
+    info = backend_info()
+    print("device_overhead: neuron vs CPU, per-call time")
+    print(f"  backend      : {info}")
+    print(f"  profile      : {ARGS.profile} (OPTIMUM_NEURON_TORCH_PROFILE={os.environ['OPTIMUM_NEURON_TORCH_PROFILE']}, "
+          f"fallback {os.environ['OPTIMUM_NEURON_TORCH_FALLBACK']})")
+    print(f"  threads      : torch.get_num_threads() = {torch.get_num_threads()} (--threads {ARGS.threads})")
+    print(f"  machine      : {os.cpu_count()} CPUs, {cpu_model_name()}, Python {platform.python_version()}, "
+          f"torch {torch.__version__}")
+    print(f"  timing       : {ARGS.blocks} interleaved blocks of ~{ARGS.block_ms:g} ms per case and device; "
+          "median per-call time over blocks")
+    sys.stdout.flush()
+
+    results: list[Result] = []
+    clear_op_tracking()
+    with torch.no_grad():
+        for name, cpu_fn, neuron_fn in small_op_cases():
+            results.append(measure(name, True, cpu_fn, neuron_fn, ARGS.blocks, ARGS.block_ms))
+    small_fallbacks = fallback_ops()
+
+    with torch.no_grad():
+        cpu_fn, neuron_fn, diff, config = tiny_llama()
+        ops_per_forward = count_aten_ops(cpu_fn)
+        clear_op_tracking()
+        neuron_fn()
+        llama_fallbacks = fallback_ops()
+        results.append(measure("tiny Llama forward", False, cpu_fn, neuron_fn, ARGS.blocks, ARGS.block_ms))
+
+    header = f"| {'op':<22} | {'CPU us':>9} | {'neuron us':>9} | {'overhead us':>11} | {'ratio':>6} | " \
+             f"{'min-based ovh us':>16} | {'calls/block':>11} | {'<= ' + format(ARGS.target_us, 'g') + ' us':>8} |"
+    print()
+    print(header)
+    print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
+    for r in results:
+        verdict = ("yes" if r.overhead_us <= ARGS.target_us else "NO") if r.small else "n/a"
+        print(f"| {r.name:<22} | {r.cpu_us:>9.2f} | {r.neuron_us:>9.2f} | {r.overhead_us:>11.2f} | "
+              f"{r.ratio:>5.2f}x | {r.min_overhead_us:>16.2f} | {r.calls_per_block:>11} | {verdict:>8} |")
+
+    llama = results[-1]
+    print()
+    print(f"tiny Llama: hidden {config.hidden_size}, intermediate {config.intermediate_size}, "
+          f"{config.num_hidden_layers} layers, {config.num_attention_heads} heads / {config.num_key_value_heads} kv heads, "
+          f"vocab {config.vocab_size}, input 1x16, eval, no_grad, use_cache=False, "
+          f"attn {getattr(config, '_attn_implementation', None)}")
+    print(f"  {ops_per_forward} ATen ops per forward; overhead {llama.overhead_us:.1f} us per forward = "
+          f"{llama.overhead_us / ops_per_forward:.2f} us per ATen op; max |logits(neuron) - logits(CPU)| = {diff:.2e}")
+    print(f"  fallback ops (small-op cases): {', '.join(small_fallbacks) or 'none'}")
+    print(f"  fallback ops (one Llama forward): {', '.join(llama_fallbacks) or 'none'}")
+
+    small = [r for r in results if r.small]
+    missed = [r.name for r in small if r.overhead_us > ARGS.target_us]
+    print()
+    if missed:
+        print(f"target (<= {ARGS.target_us:g} us overhead per small op, profile {ARGS.profile}): "
+              f"MISSED by {', '.join(missed)}")
+    else:
+        print(f"target (<= {ARGS.target_us:g} us overhead per small op, profile {ARGS.profile}): "
+              f"met by all {len(small)} small ops")
+    if ARGS.profile != "full":
+        print("  (the target is defined for the full profile; this run uses the fallback-counting profile)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
