@@ -12,7 +12,7 @@ import torch
 from ...errors import ConfigurationError
 from . import torch_module
 from .build import load_extension
-from .profiles import VIEW_OPS, Profile, load_profile
+from .profiles import DEVICE_ONLY_OPS, VIEW_OPS, Profile, load_profile, shipped_op_list
 from .settings import FALLBACK_MODES, Settings, read_settings
 
 DEVICE_NAME = "neuron"
@@ -52,6 +52,10 @@ def activate() -> ReferenceState:
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
     # Trainium's lower-precision dtype; torch.autocast("neuron", dtype=...) still overrides it.
     torch.set_autocast_dtype(DEVICE_NAME, torch.bfloat16)
+
+    # Ops a backend implements run as themselves rather than decomposed, as on TorchNeuron.
+    implemented = profile.native_ops if profile.native_ops is not None else shipped_op_list()
+    extension.route_through_device(sorted(implemented | DEVICE_ONLY_OPS))
 
     _state = ReferenceState(extension, settings, profile)
     set_profile(profile)

@@ -14,12 +14,12 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
+from filelock import FileLock
 
 from ...errors import ReferenceDeviceBuildError
 from .settings import cache_dir
@@ -72,15 +72,18 @@ def load_extension() -> ModuleType:
     key = build_key(compiler)
     name = f"optimum_neuron_torch_reference_{key}"
     build_dir = cache_dir() / "extensions" / name
-    library = build_dir / f"{name}{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}"
-    plain_library = build_dir / f"{name}.so"
-    for candidate in (library, plain_library):
-        if candidate.exists():
-            return _import_built(name, candidate)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # One process builds while the others wait: a half-written library must never be loaded.
+    with FileLock(str(build_dir) + ".lock"):
+        library = build_dir / f"{name}.so"
+        if library.exists():
+            return _import_built(name, library)
+        return _build(name, build_dir)
 
+
+def _build(name: str, build_dir: Path) -> ModuleType:
     from torch.utils import cpp_extension
 
-    build_dir.mkdir(parents=True, exist_ok=True)
     sources = sorted(str(path) for path in SOURCE_DIR.glob("*.cpp"))
     message = f"optimum-neuron-torch: building the reference neuron device (once per torch version and compiler; about a minute) in {build_dir}"
     logger.warning(message)

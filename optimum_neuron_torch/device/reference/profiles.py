@@ -37,6 +37,10 @@ VIEW_OPS = frozenset(
 )
 
 
+# Ops whose composite kernels refuse devices other than CPU/CUDA/XPU: the device runs them itself.
+DEVICE_ONLY_OPS = frozenset({"aten::mode", "aten::mode.values"})
+
+
 @dataclass(frozen=True)
 class Profile:
     """A named set of native ops; `native_ops` is None when every op is native."""

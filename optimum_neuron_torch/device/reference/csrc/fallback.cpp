@@ -178,11 +178,10 @@ class HostCall {
   }
 
   // After the CPU kernel ran: moves memory that it reallocated (resized `out=` arguments) onto
-  // the device, copies written data back when inputs were copies, and updates written metadata.
-  void write_back(const at::Tensor& device, const at::Tensor& host) {
-    Slot& slot = slot_for(device.storage());
-    if (!slot.synced) {
-      slot.synced = true;
+  // the device and, when arguments were copies, copies every argument's memory back (some ops
+  // write arguments their schema does not mark as written, like batch norm's running stats).
+  void sync_storages() {
+    for (Slot& slot : slots_) {
       c10::StorageImpl* dst = slot.device.unsafeGetStorageImpl();
       const bool reallocated = slot.host.data() != slot.host_data || slot.host.nbytes() != dst->nbytes();
       if (reallocated) {
@@ -193,6 +192,10 @@ class HostCall {
         std::memcpy(dst->mutable_data(), slot.host.data(), dst->nbytes());
       }
     }
+  }
+
+  // Gives a written device argument the metadata the CPU kernel gave its host view (resizes).
+  static void sync_metadata(const at::Tensor& device, const at::Tensor& host) {
     c10::TensorImpl* impl = device.unsafeGetTensorImpl();
     if (impl->sizes() != host.sizes() || impl->strides() != host.strides() ||
         impl->storage_offset() != host.storage_offset()) {
@@ -211,6 +214,9 @@ class HostCall {
         return device;
       }
     }
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        host.layout() == c10::kStrided, "neuron: an op produced a ", host.layout(),
+        " tensor; the neuron device (like TorchNeuron) has no sparse tensors. Keep sparse work on the CPU.");
     const c10::StorageImpl* storage = host.storage().unsafeGetStorageImpl();
     for (Slot& slot : slots_) {
       if (slot.host.unsafeGetStorageImpl() == storage) {
@@ -235,7 +241,6 @@ class HostCall {
     c10::Storage device;
     c10::Storage host;
     const void* host_data;
-    bool synced = false;
   };
 
   Slot& slot_for(const c10::Storage& device) {
@@ -331,9 +336,10 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, const 
 
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
 
-  // Written arguments first: results may view their storage.
+  // Arguments first: results may view their storage.
+  call.sync_storages();
   for (const auto& [device_tensor, host] : written) {
-    call.write_back(device_tensor, host);
+    HostCall::sync_metadata(device_tensor, host);
   }
   const size_t num_returns = schema.returns().size();
   for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
@@ -378,6 +384,38 @@ void boxed_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const int64_t start = now_ns();
   run_on_host(op, stack, entry, g_copies.load(std::memory_order_relaxed));
   entry.nanoseconds.fetch_add(now_ns() - start, std::memory_order_relaxed);
+}
+
+void route_through_device(const std::vector<std::string>& names) {
+  static std::vector<std::unique_ptr<torch::Library>> libraries; // registrations live as long as these
+  auto library = std::make_unique<torch::Library>(
+      torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  for (const std::string& name : names) {
+    const auto separator = name.find('.');
+    const std::string base = name.substr(0, separator);
+    const std::string overload = separator == std::string::npos ? "" : name.substr(separator + 1);
+    const auto handle = c10::Dispatcher::singleton().findOp(c10::OperatorName(base, overload));
+    if (!handle.has_value() || handle->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1) ||
+        !(handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) ||
+          handle->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional))) {
+      continue;
+    }
+    // Factories and copies decide the device of their result: their composite kernels handle it.
+    bool takes_device = base == "aten::copy_" || base == "aten::_to_copy";
+    for (const auto& argument : handle->schema().arguments()) {
+      const auto& type = argument.real_type();
+      const auto& element = type->kind() == c10::TypeKind::OptionalType
+          ? type->castRaw<c10::OptionalType>()->getElementType()
+          : type;
+      takes_device = takes_device || element->kind() == c10::TypeKind::DeviceObjType ||
+          element->kind() == c10::TypeKind::StreamObjType;
+    }
+    if (!takes_device) {
+      library->impl(name.substr(name.find("::") + 2).c_str(),
+                    torch::CppFunction::makeFromBoxedFunction<&boxed_fallback>());
+    }
+  }
+  libraries.push_back(std::move(library));
 }
 
 void track_explicit(const char* name) {

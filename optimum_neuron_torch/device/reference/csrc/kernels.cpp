@@ -1,5 +1,5 @@
 // Explicit kernels: memory and metadata ops that cannot go through the generic fallback, plus
-// the entry points PyTorch routes only to accelerators (fused attention, convolution, RNN cells).
+// the entry points PyTorch routes only to accelerators (fused attention, RNN cells).
 #include "neuron.h"
 
 #include <ATen/EmptyTensor.h>
@@ -171,34 +171,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_backw
   return {to_device(grad_q, device), to_device(grad_k, device), to_device(grad_v, device), grad_bias};
 }
 
-// ---- convolution ----
-
-at::Tensor convolution(const at::Tensor& input, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                       c10::SymIntArrayRef stride, c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation,
-                       bool transposed, c10::SymIntArrayRef output_padding, c10::SymInt groups) {
-  track_explicit("aten::convolution_overrideable");
-  std::optional<at::Tensor> host_bias;
-  if (bias.has_value()) {
-    host_bias = host_view(*bias);
-  }
-  at::Tensor result = at::convolution_symint(host_view(input), host_view(weight), host_bias, stride, padding,
-                                             dilation, transposed, output_padding, std::move(groups));
-  return to_device(result, input.device().index());
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& weight, c10::SymIntArrayRef stride,
-    c10::SymIntArrayRef padding, c10::SymIntArrayRef dilation, bool transposed, c10::SymIntArrayRef output_padding,
-    c10::SymInt groups, std::array<bool, 3> output_mask) {
-  track_explicit("aten::convolution_backward_overrideable");
-  const c10::SymInt out_channels = transposed ? weight.sym_size(1) * groups : weight.sym_size(0);
-  auto [grad_input, grad_weight, grad_bias] = at::convolution_backward_symint(
-      host_view(grad_output), host_view(input), host_view(weight), c10::SymDimVector{out_channels}, stride,
-      padding, dilation, transposed, output_padding, std::move(groups), output_mask);
-  const c10::DeviceIndex device = input.device().index();
-  return {to_device(grad_input, device), to_device(grad_weight, device), to_device(grad_bias, device)};
-}
-
 // ---- fused RNN cells (PyTorch routes accelerator tensors to them; CPU has no kernel) ----
 // Gate order and workspaces follow PyTorch's CUDA kernels.
 
@@ -307,8 +279,6 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("_scaled_dot_product_fused_attention_overrideable", fused_attention);
   m.impl("_scaled_dot_product_fused_attention_overrideable_backward", fused_attention_backward);
   m.impl("native_dropout", native_dropout);
-  m.impl("convolution_overrideable", convolution);
-  m.impl("convolution_backward_overrideable", convolution_backward);
   m.impl("_thnn_fused_lstm_cell", lstm_cell);
   m.impl("_thnn_fused_lstm_cell_backward_impl", lstm_cell_backward);
   m.impl("_thnn_fused_gru_cell", gru_cell);

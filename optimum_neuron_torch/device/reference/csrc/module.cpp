@@ -31,6 +31,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_capacity", &neuron::set_capacity);
   m.def("default_generator", &default_generator);
   m.def("set_profile", &neuron::set_profile, py::arg("all_native"), py::arg("native_ops"));
+  m.def("route_through_device", &neuron::route_through_device);
   m.def("set_fallback_mode", [](int mode) { neuron::set_fallback_mode(static_cast<neuron::FallbackMode>(mode)); });
   m.def("fallback_mode", [] { return static_cast<int>(neuron::fallback_mode()); });
   m.def("set_fallback_copies", &neuron::set_fallback_copies);

@@ -67,5 +67,9 @@ std::vector<std::string> executed_ops();
 void clear_op_tracking();
 
 void boxed_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
+// Registers the boxed fallback as the device kernel of these ops where PyTorch would otherwise
+// decompose them with a composite kernel: ops a backend implements run as themselves, as on
+// TorchNeuron (and composites that reject unknown devices run at all).
+void route_through_device(const std::vector<std::string>& names);
 
 } // namespace neuron
