@@ -9,6 +9,7 @@ the median over the blocks (the minimum is printed as well). The overhead is neu
 
 Usage:
     python benchmarks/device_overhead.py [--threads 1] [--profile full|torchneuron]
+        [--breakdown] [--kv-heads 2] [--attn sdpa|eager] [--blocks 15] [--block-ms 20] [--check]
 
 The target is at most 2 us of overhead per small op with the `full` profile (every op native,
 no fallback accounting). The environment is set before `optimum_neuron_torch` is imported:
@@ -40,18 +41,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="target duration of one timing block in ms; sets the calls per block (default 20)")
     parser.add_argument("--target-us", type=float, default=TARGET_US,
                         help=f"overhead target per small op in us (default {TARGET_US})")
+    parser.add_argument("--kv-heads", type=int, default=2,
+                        help="key/value heads of the tiny Llama (4 attention heads; default 2, i.e. GQA)")
+    parser.add_argument("--attn", choices=("sdpa", "eager"), default="sdpa",
+                        help="attention implementation of the tiny Llama (default sdpa)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time variants that split the overhead: add with out=, empty 16x16")
+    parser.add_argument("--check", action="store_true",
+                        help="exit with status 1 when a small op misses the target")
     return parser.parse_args(argv)
 
 
-ARGS = parse_args()
-# Must happen before optimum_neuron_torch is imported: the device reads them at activation.
-os.environ["OPTIMUM_NEURON_TORCH_PROFILE"] = ARGS.profile
-os.environ["OPTIMUM_NEURON_TORCH_FALLBACK"] = "silent"
+ARGS: argparse.Namespace
+torch = None  # imported by setup(), after the environment is set
 
-import torch  # noqa: E402
 
-import optimum_neuron_torch  # noqa: E402,F401  (registers the `neuron` device)
-from optimum_neuron_torch.device import backend_info, clear_op_tracking, fallback_ops  # noqa: E402
+def setup(argv: list[str] | None = None) -> None:
+    """Parses the arguments, sets the device's environment, then imports torch and the device."""
+    global ARGS, torch, backend_info, clear_op_tracking, fallback_ops
+    ARGS = parse_args(argv)
+    # Must happen before optimum_neuron_torch is imported: the device reads them at activation.
+    os.environ["OPTIMUM_NEURON_TORCH_PROFILE"] = ARGS.profile
+    os.environ["OPTIMUM_NEURON_TORCH_FALLBACK"] = "silent"
+    import torch as torch_module
+
+    import optimum_neuron_torch  # noqa: F401  (registers the `neuron` device)
+    from optimum_neuron_torch.device import backend_info, clear_op_tracking, fallback_ops  # noqa: F811
+
+    torch = torch_module
 
 
 @dataclass
@@ -131,7 +148,7 @@ def measure(name: str, small: bool, cpu_fn: Callable[[], object], neuron_fn: Cal
     return Result(name, small, calls, cpu_ns, neuron_ns)
 
 
-def small_op_cases() -> list[tuple[str, Callable[[], object], Callable[[], object]]]:
+def small_op_cases() -> list[tuple[str, bool, Callable[[], object], Callable[[], object]]]:
     torch.manual_seed(0)
     a16, b16 = torch.randn(16, 16), torch.randn(16, 16)
     a64, b64 = torch.randn(64, 64), torch.randn(64, 64)
@@ -140,6 +157,7 @@ def small_op_cases() -> list[tuple[str, Callable[[], object], Callable[[], objec
         tensors[dev] = dict(
             a16=a16.to(dev), b16=b16.to(dev), a64=a64.to(dev), b64=b64.to(dev),
             acc=a16.clone().to(dev),  # target of the in-place add
+            out=torch.empty(16, 16, device=dev),  # out= target (breakdown only)
         )
 
     # Correctness check before timing: the device computes what the CPU computes.
@@ -152,7 +170,8 @@ def small_op_cases() -> list[tuple[str, Callable[[], object], Callable[[], objec
         t = tensors[dev]
         a16, b16, a64, b64, acc = t["a16"], t["b16"], t["a64"], t["b64"], t["acc"]
         device = torch.device(dev)
-        return {
+        out = t["out"]
+        cases = {
             "add 16x16": lambda: a16 + b16,
             "add_ 16x16 (in place)": lambda: acc.add_(b16),
             "mm 64x64": lambda: torch.mm(a64, b64),
@@ -160,9 +179,13 @@ def small_op_cases() -> list[tuple[str, Callable[[], object], Callable[[], objec
             "sum 16x16 + .item()": lambda: a16.sum().item(),
             "randn 16x16": lambda: torch.randn(16, 16, device=device),
         }
+        if ARGS.breakdown:
+            cases["(add 16x16 out=)"] = lambda: torch.add(a16, b16, out=out)
+            cases["(empty 16x16)"] = lambda: torch.empty(16, 16, device=device)
+        return cases
 
     cpu_cases, neuron_cases = cases_for("cpu"), cases_for("neuron")
-    return [(name, cpu_cases[name], neuron_cases[name]) for name in cpu_cases]
+    return [(name, not name.startswith("("), cpu_cases[name], neuron_cases[name]) for name in cpu_cases]
 
 
 def tiny_llama():
@@ -170,7 +193,8 @@ def tiny_llama():
 
     config = LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=128,
+        num_key_value_heads=ARGS.kv_heads, vocab_size=1000, max_position_embeddings=128,
+        attn_implementation=ARGS.attn,
     )
     torch.manual_seed(0)
     cpu_model = LlamaForCausalLM(config).eval()
@@ -217,7 +241,31 @@ def cpu_model_name() -> str:
     return platform.processor() or "unknown"
 
 
-def main() -> int:
+def source_state() -> str:
+    """The git commit of the checkout, whether the package sources differ from it, and the build."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "optimum_neuron_torch"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.split("\n")
+        dirty = [line[3:] for line in dirty if line.strip()]
+        state = f"git {head}" + (f" + uncommitted changes in {len(dirty)} package file(s)" if dirty else " (clean)")
+    except (OSError, subprocess.CalledProcessError):
+        state = "not a git checkout"
+    try:
+        from optimum_neuron_torch.device import reference
+
+        state += f"; extension {reference.state().extension.__name__}"
+    except Exception:  # TorchNeuron backend, or the reference device is not active
+        pass
+    return state
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup(argv)
     torch.set_num_threads(ARGS.threads)
     info = backend_info()
     print("device_overhead: neuron vs CPU, per-call time")
@@ -227,6 +275,7 @@ def main() -> int:
     print(f"  threads      : torch.get_num_threads() = {torch.get_num_threads()} (--threads {ARGS.threads})")
     print(f"  machine      : {os.cpu_count()} CPUs, {cpu_model_name()}, Python {platform.python_version()}, "
           f"torch {torch.__version__}")
+    print(f"  source       : {source_state()}")
     print(f"  timing       : {ARGS.blocks} interleaved blocks of ~{ARGS.block_ms:g} ms per case and device; "
           "median per-call time over blocks")
     sys.stdout.flush()
@@ -234,27 +283,29 @@ def main() -> int:
     results: list[Result] = []
     clear_op_tracking()
     with torch.no_grad():
-        for name, cpu_fn, neuron_fn in small_op_cases():
-            results.append(measure(name, True, cpu_fn, neuron_fn, ARGS.blocks, ARGS.block_ms))
+        for name, small, cpu_fn, neuron_fn in small_op_cases():
+            results.append(measure(name, small, cpu_fn, neuron_fn, ARGS.blocks, ARGS.block_ms))
     small_fallbacks = fallback_ops()
 
     with torch.no_grad():
         cpu_fn, neuron_fn, diff, config = tiny_llama()
-        ops_per_forward = count_aten_ops(cpu_fn)
+        cpu_ops, neuron_ops = count_aten_ops(cpu_fn), count_aten_ops(neuron_fn)
         clear_op_tracking()
         neuron_fn()
         llama_fallbacks = fallback_ops()
         results.append(measure("tiny Llama forward", False, cpu_fn, neuron_fn, ARGS.blocks, ARGS.block_ms))
 
+    target = f"<= {ARGS.target_us:g} us"
+    width = max(8, len(target))
     header = f"| {'op':<22} | {'CPU us':>9} | {'neuron us':>9} | {'overhead us':>11} | {'ratio':>6} | " \
-             f"{'min-based ovh us':>16} | {'calls/block':>11} | {'<= ' + format(ARGS.target_us, 'g') + ' us':>8} |"
+             f"{'min-based ovh us':>16} | {'calls/block':>11} | {target:>{width}} |"
     print()
     print(header)
     print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
     for r in results:
-        verdict = ("yes" if r.overhead_us <= ARGS.target_us else "NO") if r.small else "n/a"
+        verdict = ("yes" if r.overhead_us <= ARGS.target_us else "NO") if r.small else "-"
         print(f"| {r.name:<22} | {r.cpu_us:>9.2f} | {r.neuron_us:>9.2f} | {r.overhead_us:>11.2f} | "
-              f"{r.ratio:>5.2f}x | {r.min_overhead_us:>16.2f} | {r.calls_per_block:>11} | {verdict:>8} |")
+              f"{r.ratio:>5.2f}x | {r.min_overhead_us:>16.2f} | {r.calls_per_block:>11} | {verdict:>{width}} |")
 
     llama = results[-1]
     print()
@@ -262,8 +313,9 @@ def main() -> int:
           f"{config.num_hidden_layers} layers, {config.num_attention_heads} heads / {config.num_key_value_heads} kv heads, "
           f"vocab {config.vocab_size}, input 1x16, eval, no_grad, use_cache=False, "
           f"attn {getattr(config, '_attn_implementation', None)}")
-    print(f"  {ops_per_forward} ATen ops per forward; overhead {llama.overhead_us:.1f} us per forward = "
-          f"{llama.overhead_us / ops_per_forward:.2f} us per ATen op; max |logits(neuron) - logits(CPU)| = {diff:.2e}")
+    print(f"  ATen ops per forward: {cpu_ops} on CPU, {neuron_ops} on neuron; overhead {llama.overhead_us:.1f} us "
+          f"per forward = {llama.overhead_us / neuron_ops:.2f} us per neuron ATen op")
+    print(f"  max |logits(neuron) - logits(CPU)| = {diff:.2e}")
     print(f"  fallback ops (small-op cases): {', '.join(small_fallbacks) or 'none'}")
     print(f"  fallback ops (one Llama forward): {', '.join(llama_fallbacks) or 'none'}")
 
@@ -278,7 +330,7 @@ def main() -> int:
               f"met by all {len(small)} small ops")
     if ARGS.profile != "full":
         print("  (the target is defined for the full profile; this run uses the fallback-counting profile)")
-    return 0
+    return 1 if missed and ARGS.check else 0
 
 
 if __name__ == "__main__":

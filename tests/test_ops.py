@@ -87,17 +87,19 @@ def test_autocast_runs_matrix_products_in_bfloat16():
     assert_same(product, (a.cpu().bfloat16() @ b.cpu().bfloat16()))
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_attention_uses_the_fused_kernel_and_matches_cpu(causal):
-    q, k, v = (torch.randn(2, 4, 8, 16, requires_grad=True) for _ in range(3))
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+@pytest.mark.parametrize("causal, kv_heads", [(False, 4), (True, 4), (True, 2)])
+def test_attention_uses_the_fused_kernel_and_matches_cpu(causal, kv_heads):
+    q = torch.randn(2, 4, 8, 16, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, 8, 16, requires_grad=True) for _ in range(2))
+    gqa = kv_heads != 4
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     expected.sum().backward()
     cpu_grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
     torch.neuron.clear_op_tracking()
     dq, dk, dv = (t.detach().to("neuron").requires_grad_() for t in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(dq, dk, dv, is_causal=causal)
+    out = torch.nn.functional.scaled_dot_product_attention(dq, dk, dv, is_causal=causal, enable_gqa=gqa)
     assert "aten::_scaled_dot_product_fused_attention_overrideable" in torch.neuron.get_executed_ops()
     assert_same(out.detach(), expected.detach(), atol=1e-5, rtol=1e-5)
     out.sum().backward()

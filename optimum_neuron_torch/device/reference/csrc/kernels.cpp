@@ -128,9 +128,7 @@ int64_t fused_sdp_choice(const at::Tensor& query, const at::Tensor& key, const a
   const int64_t cpu_choice = at::_fused_sdp_choice(host_view(query), host_view(key), host_view(value), mask,
                                                    dropout_p, is_causal, scale, enable_gqa);
   const bool flash = cpu_choice == static_cast<int64_t>(at::SDPBackend::flash_attention);
-  const bool same_heads = query.dim() < 3 || query.sym_size(-3) == key.sym_size(-3);
-  return static_cast<int64_t>(flash && dropout_p == 0.0 && same_heads ? at::SDPBackend::overrideable
-                                                                       : at::SDPBackend::math);
+  return static_cast<int64_t>(flash && dropout_p == 0.0 ? at::SDPBackend::overrideable : at::SDPBackend::math);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, at::Tensor, at::Tensor, at::Tensor>
