@@ -11,4 +11,29 @@ from .device.backend import activate as _activate  # noqa: E402
 
 _activate()
 
-__all__ = ["__version__", "backend_info", "clear_op_tracking", "executed_ops", "fallback_ops"]
+from .modeling import (  # noqa: E402
+    NeuronAutoModel,
+    NeuronAutoModelForCausalLM,
+    NeuronAutoModelForMaskedLM,
+    NeuronAutoModelForQuestionAnswering,
+    NeuronAutoModelForSeq2SeqLM,
+    NeuronAutoModelForSequenceClassification,
+    NeuronAutoModelForTokenClassification,
+    embed,
+)
+
+__all__ = [
+    "NeuronAutoModel",
+    "NeuronAutoModelForCausalLM",
+    "NeuronAutoModelForMaskedLM",
+    "NeuronAutoModelForQuestionAnswering",
+    "NeuronAutoModelForSeq2SeqLM",
+    "NeuronAutoModelForSequenceClassification",
+    "NeuronAutoModelForTokenClassification",
+    "__version__",
+    "backend_info",
+    "clear_op_tracking",
+    "embed",
+    "executed_ops",
+    "fallback_ops",
+]

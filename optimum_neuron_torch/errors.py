@@ -21,3 +21,21 @@ class ReferenceDeviceBuildError(BackendUnavailableError):
 
 class ConfigurationError(NeuronTorchError, ValueError):
     """An environment variable or argument has a value this library cannot use."""
+
+
+class CheckpointError(NeuronTorchError):
+    """A checkpoint cannot be loaded: names the file (and tensor) at fault and what to do."""
+
+    def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
+        where = ", ".join(part for part in (file and f"file {file}", tensor and f"tensor {tensor!r}") if part)
+        super().__init__(f"{where}: {message}" if where else message)
+        self.file = file
+        self.tensor = tensor
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """The checkpoint is pickled (`pytorch_model.bin`) and pickled weights were not allowed."""
+
+
+class InsufficientDeviceMemoryError(NeuronTorchError):
+    """The model does not fit in the device's free memory; raised before anything is loaded."""

@@ -1,0 +1,139 @@
+"""`load_pretrained`: resolve -> build on meta -> check -> stream -> finalize."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrainedModel
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightRenaming
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
+from transformers.utils.generic import ContextManagers
+
+from .checkpoint import GENERATION_CONFIG_NAME, Checkpoint, resolve_checkpoint
+from .loader import _open, check_device_memory, finalize, plan_loading, release, stream_into
+
+logger = logging.getLogger(__name__)
+
+DtypeLike = torch.dtype | str | None
+
+
+def _model_class(model_class: type, config: PretrainedConfig, checkpoint: Checkpoint, trust_remote_code: bool) -> type:
+    """The concrete Transformers class: itself, or what an Auto class maps the config to."""
+    if not issubclass(model_class, _BaseAutoModelClass):
+        return model_class
+    auto_name = next(c.__name__ for c in model_class.__mro__ if c.__module__.startswith("transformers.models.auto"))
+    remote = getattr(config, "auto_map", {}).get(auto_name)
+    if remote is not None and trust_remote_code:
+        return get_class_from_dynamic_module(remote, str(checkpoint.folder))
+    if type(config) in model_class._model_mapping:
+        return _get_model_class(config, model_class._model_mapping)
+    if remote is not None:
+        raise ValueError(
+            f"{checkpoint.name} defines its model in its own code ({remote}); pass trust_remote_code=True "
+            "if you trust that code (it runs on your machine)."
+        )
+    raise ValueError(f"{model_class.__name__} has no model for a {type(config).__name__}; try another Neuron Auto class.")
+
+
+def resolve_dtype(dtype: DtypeLike, config: PretrainedConfig, files: list) -> torch.dtype:
+    """`None` and "auto" follow the config, then the checkpoint, as Transformers does."""
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None)
+        if dtype is None:
+            floating = [e.dtype for f in files for e in f.entries.values() if e.dtype.is_floating_point]
+            dtype = floating[0] if floating else torch.float32
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"dtype={dtype!r} is not a torch dtype")
+        dtype = resolved
+    return dtype
+
+
+def build_on_meta(model_class: type, config: PretrainedConfig, dtype: torch.dtype) -> PreTrainedModel:
+    """The model with every parameter and buffer on the meta device: no memory, no init cost."""
+    config = copy.deepcopy(config)
+    config.dtype = dtype
+    with ContextManagers(model_class.get_init_context(dtype, False, False, None)):
+        return model_class(config)
+
+
+def load_pretrained(
+    model_class: type,
+    name_or_path: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    dtype: DtypeLike = None,
+    device: torch.device | str = "neuron",
+    token: str | bool | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    local_files_only: bool = False,
+    trust_remote_code: bool = False,
+    allow_pickle: bool = False,
+    ignore_mismatched_sizes: bool = False,
+    **config_kwargs: Any,
+) -> PreTrainedModel:
+    """Loads a Transformers model straight onto `device`, streaming its weights from disk."""
+    checkpoint = resolve_checkpoint(
+        name_or_path, revision=revision, token=token, cache_dir=cache_dir,
+        local_files_only=local_files_only, allow_pickle=allow_pickle,
+    )
+    attn_implementation = config_kwargs.pop("attn_implementation", None)
+    config, unused = AutoConfig.from_pretrained(
+        checkpoint.folder, trust_remote_code=trust_remote_code, return_unused_kwargs=True, **config_kwargs
+    )
+    if unused:
+        raise TypeError(f"from_pretrained() got arguments that are neither its own nor config attributes: {sorted(unused)}")
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
+    config.name_or_path = str(checkpoint.name)
+    concrete = _model_class(model_class, config, checkpoint, trust_remote_code)
+    device = torch.device(device)
+    if device.index is None and device.type == "neuron":
+        device = torch.device("neuron", torch.neuron.current_device())
+
+    with ExitStack() as files_stack:
+        files = _open(checkpoint, files_stack)
+        dtype = resolve_dtype(dtype, config, files)
+        model = build_on_meta(concrete, config, dtype)
+        conversions = get_model_conversion_mapping(model, None, None)
+        if any(not isinstance(c, WeightRenaming) for c in conversions):
+            files_stack.close()
+            return _load_with_transformers(concrete, checkpoint, dtype, device, trust_remote_code, ignore_mismatched_sizes, config)
+        plan = plan_loading(model, checkpoint, files, conversions, ignore_mismatched_sizes)
+        check_device_memory(model, device, checkpoint.name)
+        try:
+            stream_into(model, plan, device, checkpoint.name)
+            files_stack.close()
+            info = finalize(model, plan, device, checkpoint.name, ignore_mismatched_sizes)
+        except BaseException:
+            release(model)
+            raise
+    model.eval()
+    if model.can_generate() and (checkpoint.folder / GENERATION_CONFIG_NAME).is_file():
+        model.generation_config = GenerationConfig.from_pretrained(checkpoint.folder)
+    model.neuron_loading_info = info.to_dict()
+    return model
+
+
+def _load_with_transformers(
+    model_class: type, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
+    trust_remote_code: bool, ignore_mismatched_sizes: bool, config: PretrainedConfig,
+) -> PreTrainedModel:
+    """Architectures whose checkpoints need tensor conversions (fused experts and the like) load
+    through Transformers' own path, onto the device."""
+    logger.warning(
+        "%s: %s converts checkpoint tensors on load; using Transformers' loader (not streamed).",
+        checkpoint.name, model_class.__name__,
+    )
+    return model_class.from_pretrained(
+        checkpoint.folder, config=config, dtype=dtype, device_map={"": device},
+        trust_remote_code=trust_remote_code, ignore_mismatched_sizes=ignore_mismatched_sizes,
+    )

@@ -1,0 +1,24 @@
+"""Neuron Auto classes, and sentence embeddings on top of `NeuronAutoModel`."""
+
+from .auto import (
+    NeuronAutoModel,
+    NeuronAutoModelForCausalLM,
+    NeuronAutoModelForMaskedLM,
+    NeuronAutoModelForQuestionAnswering,
+    NeuronAutoModelForSeq2SeqLM,
+    NeuronAutoModelForSequenceClassification,
+    NeuronAutoModelForTokenClassification,
+)
+from .embeddings import embed, pool
+
+__all__ = [
+    "NeuronAutoModel",
+    "NeuronAutoModelForCausalLM",
+    "NeuronAutoModelForMaskedLM",
+    "NeuronAutoModelForQuestionAnswering",
+    "NeuronAutoModelForSeq2SeqLM",
+    "NeuronAutoModelForSequenceClassification",
+    "NeuronAutoModelForTokenClassification",
+    "embed",
+    "pool",
+]

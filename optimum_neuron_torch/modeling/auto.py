@@ -1,0 +1,77 @@
+"""Neuron Auto classes: Transformers' Auto classes whose `from_pretrained` streams the weights
+straight onto the `neuron` device and returns the plain Transformers model."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForQuestionAnswering,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    PreTrainedModel,
+)
+
+from ..loading import load_pretrained
+
+
+class _NeuronAutoMixin:
+    """Replaces `from_pretrained` with the streaming loader; everything else is the Auto class's."""
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str | os.PathLike[str],
+        *,
+        revision: str | None = None,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str = "neuron",
+        token: str | bool | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        local_files_only: bool = False,
+        trust_remote_code: bool = False,
+        **config_kwargs: Any,
+    ) -> PreTrainedModel:
+        """Loads the model for `pretrained_model_name_or_path` (a Hub id or a local folder) onto
+        `device`, in eval mode. `dtype` defaults to the checkpoint's ("auto"). Other keyword
+        arguments update the config, except `allow_pickle` (load `pytorch_model.bin` with
+        `weights_only=True`), `ignore_mismatched_sizes` and `attn_implementation`."""
+        return load_pretrained(
+            cls, pretrained_model_name_or_path, revision=revision, dtype=dtype, device=device, token=token,
+            cache_dir=cache_dir, local_files_only=local_files_only, trust_remote_code=trust_remote_code,
+            **config_kwargs,
+        )
+
+
+class NeuronAutoModel(_NeuronAutoMixin, AutoModel):
+    """The base model (hidden states), e.g. for feature extraction and sentence embeddings."""
+
+
+class NeuronAutoModelForCausalLM(_NeuronAutoMixin, AutoModelForCausalLM):
+    """Decoder language models (Llama, Mistral, Qwen2, Gemma2, GPT-2, ...)."""
+
+
+class NeuronAutoModelForSeq2SeqLM(_NeuronAutoMixin, AutoModelForSeq2SeqLM):
+    """Encoder-decoder language models (T5, BART, ...)."""
+
+
+class NeuronAutoModelForMaskedLM(_NeuronAutoMixin, AutoModelForMaskedLM):
+    """Masked language models (BERT, RoBERTa, ...)."""
+
+
+class NeuronAutoModelForSequenceClassification(_NeuronAutoMixin, AutoModelForSequenceClassification):
+    """Models with a sequence classification head."""
+
+
+class NeuronAutoModelForTokenClassification(_NeuronAutoMixin, AutoModelForTokenClassification):
+    """Models with a token classification head."""
+
+
+class NeuronAutoModelForQuestionAnswering(_NeuronAutoMixin, AutoModelForQuestionAnswering):
+    """Models with an extractive question answering head."""
