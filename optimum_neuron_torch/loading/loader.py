@@ -161,7 +161,11 @@ def stream_into(model: PreTrainedModel, plan: _Plan, device: torch.device, name:
     meta = model.state_dict()
     order = sorted(plan.targets.items(), key=lambda item: (str(item[1][0].path), item[1][0].entries[item[1][1]].start))
     with _progress(sum(file.entries[tensor].nbytes for file, tensor in plan.targets.values()), name) as progress:
+        previous_file = None
         for key, (file, tensor) in order:
+            if file is not previous_file:
+                file.prefetch()
+                previous_file = file
             value = None
             source = None
             try:

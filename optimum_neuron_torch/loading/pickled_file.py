@@ -42,6 +42,9 @@ class PickledFile:
     def tensor(self, name: str) -> torch.Tensor:
         return self._tensors[name]
 
+    def prefetch(self) -> None:
+        """Nothing to do: torch.load maps the file itself."""
+
     def release(self, name: str) -> None:
         self._tensors.pop(name, None)
 

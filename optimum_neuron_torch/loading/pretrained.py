@@ -128,12 +128,13 @@ def _load_with_transformers(
     trust_remote_code: bool, ignore_mismatched_sizes: bool, config: PretrainedConfig,
 ) -> PreTrainedModel:
     """Architectures whose checkpoints need tensor conversions (fused experts and the like) load
-    through Transformers' own path, onto the device."""
+    through Transformers' own path on the host, then move to the device."""
     logger.warning(
-        "%s: %s converts checkpoint tensors on load; using Transformers' loader (not streamed).",
+        "%s: %s converts checkpoint tensors on load; using Transformers' loader (on the host, not streamed).",
         checkpoint.name, model_class.__name__,
     )
-    return model_class.from_pretrained(
-        checkpoint.folder, config=config, dtype=dtype, device_map={"": device},
-        trust_remote_code=trust_remote_code, ignore_mismatched_sizes=ignore_mismatched_sizes,
+    model = model_class.from_pretrained(
+        checkpoint.folder, config=config, dtype=dtype, trust_remote_code=trust_remote_code,
+        ignore_mismatched_sizes=ignore_mismatched_sizes,
     )
+    return model.to(device)

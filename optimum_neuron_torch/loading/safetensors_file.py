@@ -29,6 +29,9 @@ DTYPES: dict[str, torch.dtype] = {
     "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
 }
 
+# Linux 5.14+: fault a whole range in at once (large reads) instead of page by page.
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
 _CORRUPT = "the file is truncated or corrupted: download it again or re-save the checkpoint"
 
 
@@ -136,16 +139,30 @@ class SafetensorsFile:
         entry = self.entries[name]
         if entry.nbytes == 0:
             return torch.empty(entry.shape, dtype=entry.dtype)
+        try:  # map the tensor's pages in one request rather than fault them in one by one
+            self._map.madvise(MADV_POPULATE_READ, *self._pages(entry))
+        except OSError:
+            pass  # an older kernel: the copy faults the pages in, correctly, if more slowly
         flat = torch.frombuffer(self._map, dtype=torch.uint8, count=entry.nbytes, offset=entry.start)
         return flat.view(entry.dtype).view(entry.shape)
+
+    def prefetch(self) -> None:
+        """Starts reading the whole file into the page cache in the background (kernel readahead;
+        the page cache is not this process's memory), so the disk works while tensors are copied."""
+        if self._map is not None:
+            self._map.madvise(mmap.MADV_WILLNEED)
 
     def release(self, name: str) -> None:
         """Drops the pages of a tensor already copied out, so they stop counting in this process."""
         entry = self.entries[name]
-        page = mmap.PAGESIZE
-        start = entry.start - entry.start % page
-        if self._map is not None and entry.end > start and hasattr(self._map, "madvise"):
-            self._map.madvise(mmap.MADV_DONTNEED, start, entry.end - start)
+        if self._map is not None and entry.nbytes:
+            self._map.madvise(mmap.MADV_DONTNEED, *self._pages(entry))
+
+    @staticmethod
+    def _pages(entry: TensorEntry) -> tuple[int, int]:
+        """(start, length) of the page-aligned range holding a tensor."""
+        start = entry.start - entry.start % mmap.PAGESIZE
+        return start, entry.end - start
 
     def close(self) -> None:
         if self._map is not None:
