@@ -4,7 +4,6 @@
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/SDPBackend.h>
-#include <ATen/native/CPUFallback.h>
 #include <ATen/native/Resize.h>
 #include <ATen/native/transformers/attention.h>
 #include <ATen/ops/as_strided_cpu_dispatch.h>
