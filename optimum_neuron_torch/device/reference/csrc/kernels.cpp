@@ -117,17 +117,22 @@ std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, doubl
 // ---- fused attention ----
 // The overrideable SDPA backend is the one TorchNeuron implements; it runs the CPU flash kernel.
 
+// Metadata only (it also runs under fake tensors while torch.compile traces): the conditions of
+// the CPU flash kernel that the overrideable backend runs; anything else takes the math path.
 int64_t fused_sdp_choice(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                         const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-                         std::optional<double> scale, bool enable_gqa) {
-  std::optional<at::Tensor> mask;
-  if (attn_mask.has_value()) {
-    mask = host_view(*attn_mask);
+                         const std::optional<at::Tensor>& attn_mask, double dropout_p, bool /*is_causal*/,
+                         std::optional<double> /*scale*/, bool /*enable_gqa*/) {
+  const auto dtype = query.scalar_type();
+  const bool supported_dtype = dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf;
+  bool flash = dropout_p == 0.0 && supported_dtype && query.dim() == 4 && key.dim() == 4 && value.dim() == 4 &&
+      key.scalar_type() == dtype && value.scalar_type() == dtype && !query.is_nested() &&
+      query.sym_size(-1) == key.sym_size(-1) && query.sym_size(-1) == value.sym_size(-1) &&
+      key.sym_size(1) == value.sym_size(1) && query.sym_size(1) % key.sym_size(1) == 0 &&
+      query.sym_stride(-1) == 1 && key.sym_stride(-1) == 1 && value.sym_stride(-1) == 1;
+  if (attn_mask.has_value() && attn_mask->defined()) {
+    flash = flash && (attn_mask->scalar_type() == at::kBool || attn_mask->scalar_type() == dtype);
   }
-  const int64_t cpu_choice = at::_fused_sdp_choice(host_view(query), host_view(key), host_view(value), mask,
-                                                   dropout_p, is_causal, scale, enable_gqa);
-  const bool flash = cpu_choice == static_cast<int64_t>(at::SDPBackend::flash_attention);
-  return static_cast<int64_t>(flash && dropout_p == 0.0 ? at::SDPBackend::overrideable : at::SDPBackend::math);
+  return static_cast<int64_t>(flash ? at::SDPBackend::overrideable : at::SDPBackend::math);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, at::Tensor, at::Tensor, at::Tensor>
