@@ -1,0 +1,50 @@
+"""The `neuron` torch.compile backend: Inductor's C++ code generation on the device."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import optimum_neuron_torch  # noqa: F401
+from tiny_models import TINY_MODELS
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return TINY_MODELS["llama"].build()
+
+
+def test_backend_is_registered_by_entry_point():
+    assert "neuron" in torch._dynamo.list_backends()
+
+
+def test_compiled_forward_matches_cpu_and_does_not_recompile(llama):
+    torch._dynamo.reset()
+    model = copy.deepcopy(llama).to("neuron")
+    compiled = torch.compile(model, backend="neuron", fullgraph=True, dynamic=False)
+    ids = torch.randint(4, 128, (2, 12))
+    with torch.no_grad():
+        expected = llama(ids).logits
+        first = compiled(ids.to("neuron")).logits
+        frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        second = compiled(torch.randint(4, 128, (2, 12)).to("neuron")).logits
+    assert first.device.type == "neuron" and second.device.type == "neuron"
+    torch.testing.assert_close(first.cpu(), expected, rtol=1e-5, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames  # same shape: no new graph
+
+
+def test_dynamic_shapes_are_rejected_like_torchneuron():
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="neuron", dynamic=True)
+    with pytest.raises(Exception, match="Dynamic shapes detected in the model, but torch-neuronx requires static shapes"):
+        compiled(torch.ones(4, device="neuron"))
+
+
+def test_other_modes_warn_and_compile_as_default():
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: torch.relu(x) * 3, backend="neuron", mode="max-autotune", dynamic=False)
+    with pytest.warns(UserWarning, match="mode 'max-autotune' is not supported by the neuron backend"):
+        out = compiled(torch.tensor([-1.0, 2.0], device="neuron"))
+    assert out.device.type == "neuron" and out.cpu().tolist() == [0.0, 6.0]
