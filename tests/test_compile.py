@@ -48,3 +48,17 @@ def test_other_modes_warn_and_compile_as_default():
     with pytest.warns(UserWarning, match="mode 'max-autotune' is not supported by the neuron backend"):
         out = compiled(torch.tensor([-1.0, 2.0], device="neuron"))
     assert out.device.type == "neuron" and out.cpu().tolist() == [0.0, 6.0]
+
+
+def test_transformers_static_cache_generate_compiles_its_decode_step(llama):
+    """Transformers auto-compiles the decode step on a `neuron` device with a static cache and picks
+    backend "neuron": the greedy tokens equal the CPU's."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = copy.deepcopy(llama).to("neuron")
+    ids = torch.randint(4, 128, (1, 6))
+    settings = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    expected = llama.generate(ids, **settings)
+    generated = model.generate(ids.to("neuron"), cache_implementation="static", **settings)
+    assert generated.cpu().tolist() == expected.tolist()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the decode step was compiled
