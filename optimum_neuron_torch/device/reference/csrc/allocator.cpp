@@ -2,7 +2,6 @@
 // plus the pinned host allocator that `Tensor.pin_memory()` uses.
 #include "neuron.h"
 
-#include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 
 #include <atomic>

@@ -448,10 +448,6 @@ void set_fallback_copies(bool copies) {
   g_copies.store(copies);
 }
 
-bool fallback_copies() {
-  return g_copies.load();
-}
-
 std::vector<FallbackStat> fallback_stats() {
   std::lock_guard<std::mutex> lock(g_ops_mutex);
   std::vector<FallbackStat> stats;

@@ -35,7 +35,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_fallback_mode", [](int mode) { neuron::set_fallback_mode(static_cast<neuron::FallbackMode>(mode)); });
   m.def("fallback_mode", [] { return static_cast<int>(neuron::fallback_mode()); });
   m.def("set_fallback_copies", &neuron::set_fallback_copies);
-  m.def("fallback_copies", &neuron::fallback_copies);
   m.def("fallback_stats", &fallback_stats, "(op, calls, nanoseconds) of every op that fell back.");
   m.def("executed_ops", &neuron::executed_ops);
   m.def("clear_op_tracking", &neuron::clear_op_tracking);

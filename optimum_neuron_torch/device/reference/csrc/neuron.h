@@ -52,7 +52,6 @@ void set_profile(bool all_native, const std::vector<std::string>& native_ops);
 void set_fallback_mode(FallbackMode mode);
 FallbackMode fallback_mode();
 void set_fallback_copies(bool copies);
-bool fallback_copies();
 // Counts one call of an op implemented by an explicit kernel of this extension, as the
 // profile says (executed natively, or a fallback).
 void track_explicit(const char* name);
