@@ -105,6 +105,7 @@ def run_case(mode: str, folder: Path, dtype_name: str, threads: int) -> dict:
         total = sum(int(torch.Size(shape).numel()) for shape in tensor_shapes(folder)) * itemsize
         tensors = [torch.empty(total // 8, dtype=torch.uint8, device="neuron").fill_(1) for _ in range(8)]
         device_bytes = torch.neuron.memory_allocated()
+        assert device_bytes >= sum(t.numel() for t in tensors)  # still held while the peak is read
     else:
         if mode == "transformers":
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map="neuron")

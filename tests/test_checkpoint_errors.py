@@ -12,7 +12,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import optimum_neuron_torch as ont
 from conftest import run_python
 from optimum_neuron_torch.errors import CheckpointError, UnsafeCheckpointError
 from tiny_models import TINY_MODELS
