@@ -54,6 +54,7 @@ def _read_index(index_path: Path, folder: Path) -> dict[str, Path]:
     if not isinstance(weight_map, dict):
         raise CheckpointError("weight_map is not an object", file=str(index_path))
     shards: dict[str, Path] = {}
+    paths: dict[str, Path] = {}  # one Path per shard, however many tensors it holds
     inside = os.path.join(os.path.normpath(folder), "")
     for tensor, filename in weight_map.items():
         if not isinstance(filename, str) or os.path.isabs(filename):
@@ -65,17 +66,19 @@ def _read_index(index_path: Path, folder: Path) -> dict[str, Path]:
                 f"the shard {filename!r} lies outside the checkpoint folder {folder}; refusing to read it",
                 file=str(index_path), tensor=tensor,
             )
-        shards[tensor] = Path(shard)
+        shards[tensor] = paths.setdefault(shard, Path(shard))
     return shards
 
 
-def _check_shards_exist(index: dict[str, Path], index_path: Path) -> None:
+def _sharded(name: str, folder: Path, index_path: Path, index: dict[str, Path], pickled: bool) -> Checkpoint:
+    """The checkpoint of an index whose shards are all present."""
     for tensor, shard in index.items():
         if not shard.is_file():
             raise CheckpointError(
                 f"the index names the shard {shard.name}, which is missing; download the checkpoint again",
                 file=str(index_path), tensor=tensor,
             )
+    return Checkpoint(name, folder, tuple(sorted(set(index.values()))), index, pickled)
 
 
 def _local(name: str, folder: Path, allow_pickle: bool) -> Checkpoint:
@@ -84,9 +87,7 @@ def _local(name: str, folder: Path, allow_pickle: bool) -> Checkpoint:
     for index_name, pickled in ((SAFE_WEIGHTS_INDEX_NAME, False), (PICKLE_WEIGHTS_INDEX_NAME, True)):
         index_path = folder / index_name
         if index_path.is_file() and (not pickled or allow_pickle):
-            index = _read_index(index_path, folder)
-            _check_shards_exist(index, index_path)
-            return Checkpoint(name, folder, tuple(sorted(set(index.values()))), index, pickled)
+            return _sharded(name, folder, index_path, _read_index(index_path, folder), pickled)
     if (folder / SAFE_WEIGHTS_NAME).is_file():
         return Checkpoint(name, folder, (folder / SAFE_WEIGHTS_NAME,), None)
     if (folder / PICKLE_WEIGHTS_NAME).is_file() or (folder / PICKLE_WEIGHTS_INDEX_NAME).is_file():
@@ -125,8 +126,7 @@ def _hub(name: str, allow_pickle: bool, **download) -> Checkpoint:
             index = _read_index(index_path, folder)
             for shard in sorted({path.relative_to(folder).as_posix() for path in index.values()}):
                 fetch(shard, required=True)
-            _check_shards_exist(index, index_path)
-            return Checkpoint(name, folder, tuple(sorted(set(index.values()))), index, pickled)
+            return _sharded(name, folder, index_path, index, pickled)
         single = fetch(single_name)
         if single is not None:
             return Checkpoint(name, folder, (single,), None, pickled)

@@ -60,16 +60,22 @@ def _model_key(name: str, model_keys: dict[str, torch.Tensor], renamings: list[W
     return None
 
 
+def _tied_targets(model: PreTrainedModel) -> set[str]:
+    """Keys of weights tied to another (the same tensor once tied)."""
+    return set(getattr(model, "all_tied_weights_keys", {}) or {})
+
+
 def plan_loading(
     model: PreTrainedModel, checkpoint: Checkpoint, files: list, renamings: list[WeightRenaming], ignore_mismatched_sizes: bool
 ) -> _Plan:
-    """Matches checkpoint tensors to model keys and checks the checkpoint against the model."""
+    """Matches checkpoint tensors to model keys and checks the checkpoint against the model.
+    The targets come in file order, then byte order, the order to read them in."""
     model_keys = model.state_dict()
-    tied_targets = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    tied_targets = _tied_targets(model)
     seen: dict[str, Any] = {}
     plan = _Plan()
     for file in files:
-        for name, entry in file.entries.items():
+        for name, entry in sorted(file.entries.items(), key=lambda item: item[1].start):
             if name in seen:
                 raise CheckpointError(
                     f"the tensor is also in {seen[name].path.name}: a checkpoint names each tensor once", file=str(file.path), tensor=name
@@ -105,7 +111,7 @@ def plan_loading(
 
 def _device_bytes(model: PreTrainedModel) -> int:
     """Bytes of every parameter and buffer the loaded model holds on the device (tied ones once)."""
-    tied_targets = set(getattr(model, "all_tied_weights_keys", {}) or {})
+    tied_targets = _tied_targets(model)
     tensors = {key: t for key, t in model.state_dict(keep_vars=True).items() if key not in tied_targets}
     tensors.update(model.named_buffers())
     unique = {id(t): t for t in tensors.values()}
@@ -157,12 +163,11 @@ def _progress(total: int, name: str) -> hub_tqdm:
 
 
 def stream_into(model: PreTrainedModel, plan: _Plan, device: torch.device, name: str) -> None:
-    """Copies every planned tensor onto the device, in file order."""
+    """Copies every planned tensor onto the device, in the plan's (file) order."""
     meta = model.state_dict()
-    order = sorted(plan.targets.items(), key=lambda item: (str(item[1][0].path), item[1][0].entries[item[1][1]].start))
     with _progress(sum(file.entries[tensor].nbytes for file, tensor in plan.targets.values()), name) as progress:
         previous_file = None
-        for key, (file, tensor) in order:
+        for key, (file, tensor) in plan.targets.items():
             if file is not previous_file:
                 file.prefetch()
                 previous_file = file

@@ -105,13 +105,11 @@ def load_pretrained(
         model = build_on_meta(concrete, config, dtype)
         conversions = get_model_conversion_mapping(model, None, None)
         if any(not isinstance(c, WeightRenaming) for c in conversions):
-            files_stack.close()
             return _load_with_transformers(concrete, checkpoint, dtype, device, trust_remote_code, ignore_mismatched_sizes, config)
         plan = plan_loading(model, checkpoint, files, conversions, ignore_mismatched_sizes)
         check_device_memory(model, device, checkpoint.name)
         try:
             stream_into(model, plan, device, checkpoint.name)
-            files_stack.close()
             info = finalize(model, plan, device, checkpoint.name, ignore_mismatched_sizes)
         except BaseException:
             release(model)
