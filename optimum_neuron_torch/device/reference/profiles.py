@@ -47,10 +47,6 @@ class Profile:
 
     name: str
     native_ops: frozenset[str] | None
-    source: str
-
-    def is_native(self, op: str) -> bool:
-        return self.native_ops is None or op in self.native_ops or op in VIEW_OPS
 
 
 def read_op_list(path: str | os.PathLike[str], text: str | None = None) -> frozenset[str]:
@@ -86,11 +82,11 @@ def shipped_op_list() -> frozenset[str]:
 def load_profile(spec: str) -> Profile:
     """`torchneuron` (the shipped list), `full` (everything native), or the path of an op list."""
     if spec == TORCHNEURON:
-        return Profile(TORCHNEURON, shipped_op_list(), SHIPPED_OP_LIST)
+        return Profile(TORCHNEURON, shipped_op_list())
     if spec == FULL:
-        return Profile(FULL, None, "every op")
+        return Profile(FULL, None)
     if os.path.exists(spec):
-        return Profile("custom", read_op_list(spec), os.path.abspath(spec))
+        return Profile("custom", read_op_list(spec))
     raise ConfigurationError(
         f"unknown support profile {spec!r}: use 'torchneuron', 'full', or the path of an op list file "
         "(one aten::op a line, e.g. dumped on a Trn instance with torch._C._dispatch_get_registrations_for_dispatch_key('PrivateUse1'))."
