@@ -1,20 +1,26 @@
 """The `neuron` torch.compile backend.
 
-On TorchNeuron, TorchNeuron's own backend compiles (Torch-MLIR -> StableHLO -> NEFF). On the
-reference device, Dynamo's graph goes through AOTAutograd to Inductor's C++ code generation on
-`neuron` tensors. Like TorchNeuron, it accepts static shapes only, and compiles every `mode` as
-the default one.
+On TorchNeuron, TorchNeuron's own backend compiles (Torch-MLIR -> StableHLO -> NEFF) and its
+NEFF cache is in charge. On the reference device, Dynamo's graph goes through AOTAutograd to
+Inductor's C++ code generation on `neuron` tensors, and the result is kept in the persistent
+compile cache: a graph compiled once, by any process, is loaded rather than compiled again. Like
+TorchNeuron, it accepts static shapes only, and compiles every `mode` as the default one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 import warnings
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
 
 from ..device import backend_info
+from . import artifact
+from .cache import STATS, CompileCache, graph_key
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +51,43 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs
             f"{DYNAMIC_SHAPES_MESSAGE}. Compile with torch.compile(..., dynamic=False): every new input shape is "
             "then a new (cached) compile, as on Trainium."
         )
-    from torch._inductor.compile_fx import compile_fx
+    return compile_cached(gm, example_inputs, kwargs.pop("options", None) or {})
 
-    from .inductor_device import host_memory_codegen, register
 
-    register()
-    with host_memory_codegen():
-        return compile_fx(gm, example_inputs, config_patches=kwargs.pop("options", None))
+_recorders: list[set[str]] = []
+
+
+@contextlib.contextmanager
+def recording_cache_keys() -> Iterator[set[str]]:
+    """Collects the cache keys of the graphs compiled or loaded inside the block."""
+    keys: set[str] = set()
+    _recorders.append(keys)
+    try:
+        yield keys
+    finally:
+        _recorders.remove(keys)
+
+
+def compile_cached(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]) -> Callable[..., Any]:
+    """The compiled graph from the cache, compiled and stored first when it is not there."""
+    environment = artifact.environment()
+    key = graph_key(gm, example_inputs, environment, options)
+    inputs = [list(value.shape) for value in example_inputs if isinstance(value, torch.Tensor)]
+
+    def build(folder):
+        logger.info("Compiling a graph for the neuron device (cache key %s)", key[:16])
+        return {"environment": environment, "input_shapes": inputs, **artifact.compile_into(gm, example_inputs, folder, options)}
+
+    start = time.perf_counter()
+    entry, built = CompileCache().get_or_build(key, build)
+    compiled = artifact.load(entry.path)
+    elapsed = time.perf_counter() - start
+    if built:
+        STATS.misses += 1
+        STATS.compile_seconds += elapsed
+    else:
+        STATS.hits += 1
+        STATS.load_seconds += elapsed
+    for keys in _recorders:
+        keys.add(key)
+    return compiled

@@ -1,7 +1,8 @@
 """Finding a checkpoint: a local folder, or a Hub repository through huggingface_hub.
 
 Only the files a model needs are fetched: config, generation config, the safetensors index and
-the shards it names (or the single weights file). `revision`, `token`, `cache_dir`,
+the shards it names (or the single weights file), and the compiled-generation spec with its
+compiled graphs when the model was saved precompiled. `revision`, `token`, `cache_dir`,
 `local_files_only` and `HF_HUB_OFFLINE` mean what they mean to huggingface_hub, whose own
 resolution code runs (so a Hugging Face cache folder works offline).
 """
@@ -13,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from huggingface_hub import hf_hub_download
+from huggingface_hub import hf_hub_download, snapshot_download
 from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalEntryNotFoundError
 
 from ..errors import CheckpointError, UnsafeCheckpointError
@@ -24,6 +25,8 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 PICKLE_WEIGHTS_NAME = "pytorch_model.bin"
 PICKLE_WEIGHTS_INDEX_NAME = "pytorch_model.bin.index.json"
+NEURON_GENERATION_NAME = "neuron_generation.json"  # buckets and compile settings of compiled generation
+NEURON_COMPILED_DIR = "neuron_compiled"  # its compiled graphs, one compile-cache entry per folder
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ def _hub(name: str, allow_pickle: bool, **download) -> Checkpoint:
     config = fetch(CONFIG_NAME, required=True)
     folder = config.parent
     fetch(GENERATION_CONFIG_NAME)
+    if fetch(NEURON_GENERATION_NAME) is not None:
+        snapshot_download(name, allow_patterns=[f"{NEURON_COMPILED_DIR}/*"], **download)
     candidates = [(SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, False)]
     if allow_pickle:
         candidates.append((PICKLE_WEIGHTS_INDEX_NAME, PICKLE_WEIGHTS_NAME, True))

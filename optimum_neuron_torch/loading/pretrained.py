@@ -80,7 +80,8 @@ def load_pretrained(
     ignore_mismatched_sizes: bool = False,
     **config_kwargs: Any,
 ) -> PreTrainedModel:
-    """Loads a Transformers model straight onto `device`, streaming its weights from disk."""
+    """Loads a Transformers model straight onto `device`, streaming its weights from disk. The
+    local folder it was read from is kept as `model.neuron_checkpoint_folder`."""
     checkpoint = resolve_checkpoint(
         name_or_path, revision=revision, token=token, cache_dir=cache_dir,
         local_files_only=local_files_only, allow_pickle=allow_pickle,
@@ -105,7 +106,9 @@ def load_pretrained(
         model = build_on_meta(concrete, config, dtype)
         conversions = get_model_conversion_mapping(model, None, None)
         if any(not isinstance(c, WeightRenaming) for c in conversions):
-            return _load_with_transformers(concrete, checkpoint, dtype, device, trust_remote_code, ignore_mismatched_sizes, config)
+            model = _load_with_transformers(concrete, checkpoint, dtype, device, trust_remote_code, ignore_mismatched_sizes, config)
+            model.neuron_checkpoint_folder = checkpoint.folder
+            return model
         plan = plan_loading(model, checkpoint, files, conversions, ignore_mismatched_sizes)
         check_device_memory(model, device, checkpoint.name)
         try:
@@ -118,6 +121,7 @@ def load_pretrained(
     if model.can_generate() and (checkpoint.folder / GENERATION_CONFIG_NAME).is_file():
         model.generation_config = GenerationConfig.from_pretrained(checkpoint.folder)
     model.neuron_loading_info = info.to_dict()
+    model.neuron_checkpoint_folder = checkpoint.folder
     return model
 
 

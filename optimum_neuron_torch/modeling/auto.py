@@ -18,11 +18,14 @@ from transformers import (
     PreTrainedModel,
 )
 
+from ..generation import enable_compiled_generation
 from ..loading import load_pretrained
 
 
 class _NeuronAutoMixin:
     """Replaces `from_pretrained` with the streaming loader; everything else is the Auto class's."""
+
+    compiled_generation = False  # generate() through compiled graphs (see optimum_neuron_torch.generation)
 
     @classmethod
     def from_pretrained(
@@ -42,11 +45,14 @@ class _NeuronAutoMixin:
         `device`, in eval mode. `dtype` defaults to the checkpoint's ("auto"). Other keyword
         arguments update the config, except `allow_pickle` (load `pytorch_model.bin` with
         `weights_only=True`), `ignore_mismatched_sizes` and `attn_implementation`."""
-        return load_pretrained(
+        model = load_pretrained(
             cls, pretrained_model_name_or_path, revision=revision, dtype=dtype, device=device, token=token,
             cache_dir=cache_dir, local_files_only=local_files_only, trust_remote_code=trust_remote_code,
             **config_kwargs,
         )
+        if cls.compiled_generation and model.device.type == "neuron":
+            enable_compiled_generation(model, saved=model.neuron_checkpoint_folder)
+        return model
 
 
 class NeuronAutoModel(_NeuronAutoMixin, AutoModel):
@@ -54,11 +60,15 @@ class NeuronAutoModel(_NeuronAutoMixin, AutoModel):
 
 
 class NeuronAutoModelForCausalLM(_NeuronAutoMixin, AutoModelForCausalLM):
-    """Decoder language models (Llama, Mistral, Qwen2, Gemma2, GPT-2, ...)."""
+    """Decoder language models (Llama, Mistral, Qwen2, Gemma2, GPT-2, ...), with compiled generation."""
+
+    compiled_generation = True
 
 
 class NeuronAutoModelForSeq2SeqLM(_NeuronAutoMixin, AutoModelForSeq2SeqLM):
-    """Encoder-decoder language models (T5, BART, ...)."""
+    """Encoder-decoder language models (T5, BART, ...), with compiled generation."""
+
+    compiled_generation = True
 
 
 class NeuronAutoModelForMaskedLM(_NeuronAutoMixin, AutoModelForMaskedLM):

@@ -40,7 +40,7 @@ def _compiler() -> str:
     return compiler
 
 
-def _compiler_version(compiler: str) -> str:
+def compiler_version(compiler: str) -> str:
     try:
         output = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as error:
@@ -51,7 +51,7 @@ def _compiler_version(compiler: str) -> str:
 def build_key(compiler: str) -> str:
     """Hash of everything the binary depends on."""
     digest = hashlib.sha256()
-    for part in (torch.__version__, _compiler_version(compiler), " ".join(CFLAGS), sys.version):
+    for part in (torch.__version__, compiler_version(compiler), " ".join(CFLAGS), sys.version):
         digest.update(part.encode())
     for source in sorted(SOURCE_DIR.iterdir()):
         digest.update(source.name.encode())

@@ -135,6 +135,13 @@ int64_t fused_sdp_choice(const at::Tensor& query, const at::Tensor& key, const a
   return static_cast<int64_t>(flash ? at::SDPBackend::overrideable : at::SDPBackend::math);
 }
 
+// The layout the meta function gives the attention output: that of the query (`empty_like`).
+// Compiled graphs assert it, so the kernel's output is relaid out when the CPU kernel's differs.
+at::Tensor laid_out_like(const at::Tensor& output, const at::Tensor& query) {
+  const bool same = query.is_non_overlapping_and_dense() ? output.strides() == query.strides() : output.is_contiguous();
+  return same ? output : at::empty_like(query).copy_(output);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, at::Tensor, at::Tensor, at::Tensor>
 fused_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                 const std::optional<at::Tensor>& attn_bias, double dropout_p, bool is_causal,
@@ -145,11 +152,13 @@ fused_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor
   if (attn_bias.has_value()) {
     bias = host_view(*attn_bias);
   }
+  const at::Tensor host_query = host_view(query);
   auto [output, logsumexp] = at::_scaled_dot_product_flash_attention_for_cpu(
-      host_view(query), host_view(key), host_view(value), dropout_p, is_causal, bias, scale);
-  const auto empty = [&] { return at::empty({0}, query.options()); };
-  return {to_device(output, device), to_device(logsumexp, device), empty(), empty(),
-          query.sym_size(2), key.sym_size(2), empty(), empty(), empty()};
+      host_query, host_view(key), host_view(value), dropout_p, is_causal, bias, scale);
+  // As the meta function: no cumulative sequence lengths or debug mask, 0-dim seed and offset.
+  const auto scalar = [&] { return at::zeros({}, query.options().dtype(at::kLong)); };
+  return {to_device(laid_out_like(output, host_query), device), to_device(logsumexp.contiguous(), device), at::Tensor(),
+          at::Tensor(), query.sym_size(2), key.sym_size(2), scalar(), scalar(), at::Tensor()};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_backward(

@@ -1,0 +1,145 @@
+#!/usr/bin/env python
+"""Generation speed: Transformers eager on the CPU, Transformers' static cache + torch.compile
+recipe on the CPU, and this library's compiled generation on `neuron`, in one run.
+
+A Llama built from a config (hidden 512, 8 layers, vocab 32000: 58M parameters; fixed seed,
+nothing downloaded) is saved once; each variant then runs in its own process, with the same
+thread count, on a 32-token prompt with 64 greedy new tokens, at batch 1 and 4:
+- time to first token (a `max_new_tokens=1` call; the first one includes compiling);
+- decode tokens/s per sequence: 63 / (time of a 64-token call - time to first token), best of 3;
+- graphs compiled and recompiles (Dynamo counters); for the library, the compile-cache counters.
+The library runs twice on the same compile cache, in two processes: cold (empty cache) and warm.
+
+Usage:
+    python benchmarks/generate.py [--threads 1] [--dtypes float32,bfloat16] [--batches 1,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+NEW_TOKENS = 64
+PROMPT = 32
+VARIANTS = ("eager", "static+compile", "library cold", "library warm")
+
+
+def child(variant: str, folder: str, dtype_name: str, batches: list[int], threads: int) -> dict:
+    """Runs one variant in this process and returns its measurements."""
+    import torch
+
+    torch.set_num_threads(threads)
+    dtype = getattr(torch, dtype_name)
+    counters = torch._dynamo.utils.counters
+    if variant.startswith("library"):
+        from optimum_neuron_torch import NeuronAutoModelForCausalLM
+        from optimum_neuron_torch.compiler import cache_stats
+        from optimum_neuron_torch.generation import Buckets, enable_compiled_generation
+
+        model = NeuronAutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        enable_compiled_generation(model, Buckets(tuple(batches), (PROMPT,), 2 * PROMPT + NEW_TOKENS))
+        device = "neuron"
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        device = "cpu"
+        if variant == "static+compile":  # Transformers' documented recipe
+            model.generation_config.cache_implementation = "static"
+            model.forward = torch.compile(model.forward, fullgraph=True)
+
+    def run(ids: torch.Tensor, new_tokens: int) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        return time.perf_counter() - start
+
+    results = {}
+    for batch in batches:
+        ids = torch.randint(4, 32000, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).to(device)
+        first_token = run(ids, 1)  # the first call compiles what it needs
+        full = run(ids, NEW_TOKENS)  # warms up the decode graphs
+        graphs_after_warm_up = counters["stats"]["unique_graphs"]
+        recompiles_before = sum(counters["recompiles"].values())
+        ttft = min(run(ids, 1) for _ in range(3))
+        full = min(run(ids, NEW_TOKENS) for _ in range(3))
+        results[batch] = {
+            "first_call_ttft_s": first_token,
+            "ttft_s": ttft,
+            "decode_tok_s": (NEW_TOKENS - 1) / max(full - ttft, 1e-9),
+            "graphs": graphs_after_warm_up,
+            "recompiles_after_warm_up": counters["stats"]["unique_graphs"] - graphs_after_warm_up
+            + sum(counters["recompiles"].values()) - recompiles_before,
+        }
+    if variant.startswith("library"):
+        stats = cache_stats()
+        results["cache"] = {"hits": stats.hits, "misses": stats.misses, "compile_s": stats.compile_seconds}
+    return results
+
+
+def spawn(variant: str, folder: Path, dtype: str, batches: list[int], threads: int, cache: Path) -> dict:
+    env = {**os.environ, "OPTIMUM_NEURON_TORCH_COMPILE_CACHE": str(cache), "OPTIMUM_NEURON_TORCH_FALLBACK": "silent",
+           "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor-baseline")}
+    args = [sys.executable, __file__, "--child", variant, "--folder", str(folder), "--dtypes", dtype,
+            "--batches", ",".join(map(str, batches)), "--threads", str(threads)]
+    done = subprocess.run(args, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"{variant} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--child", choices=VARIANTS)
+    parser.add_argument("--folder")
+    args = parser.parse_args()
+    batches = [int(batch) for batch in args.batches.split(",")]
+    if args.child:
+        print(json.dumps(child(args.child, args.folder, args.dtypes, batches, args.threads)))
+        return
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    print(f"threads: {args.threads}; torch {torch.__version__}; prompt {PROMPT} tokens, {NEW_TOKENS} new tokens, greedy")
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch) / "llama"
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                             num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048)
+        LlamaForCausalLM(config).save_pretrained(folder)
+        for dtype in args.dtypes.split(","):
+            cache = Path(scratch) / f"cache-{dtype}"
+            results = {variant: spawn(variant, folder, dtype, batches, args.threads, cache) for variant in VARIANTS}
+            report(dtype, batches, results)
+
+
+def report(dtype: str, batches: list[int], results: dict) -> None:
+    print(f"\n{dtype}")
+    print("| batch | variant | first-call TTFT s | TTFT s | decode tok/s | graphs | recompiles after warm-up |")
+    print("|---|---|---|---|---|---|---|")
+    for batch in batches:
+        for variant in VARIANTS:
+            row = results[variant][str(batch)]
+            print(f"| {batch} | {variant} | {row['first_call_ttft_s']:.2f} | {row['ttft_s']:.3f} | {row['decode_tok_s']:.1f} | "
+                  f"{row['graphs']} | {row['recompiles_after_warm_up']} |")
+        eager, recipe, library = (results[variant][str(batch)]["decode_tok_s"] for variant in ("eager", "static+compile", "library warm"))
+        cold, warm = (results[variant][str(batch)]["first_call_ttft_s"] for variant in ("library cold", "library warm"))
+        print(f"| {batch} | ratios | warm/cold first-call TTFT {warm / cold:.0%} | | library/eager {library / eager:.2f}x, "
+              f"library/recipe {library / recipe:.2f}x | | |")
+    for variant in ("library cold", "library warm"):
+        cache = results[variant]["cache"]
+        print(f"{variant}: compile cache {cache['hits']} hits, {cache['misses']} misses, {cache['compile_s']:.1f} s compiling")
+
+
+if __name__ == "__main__":
+    main()

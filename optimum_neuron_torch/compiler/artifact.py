@@ -1,0 +1,82 @@
+"""A compiled graph as a self-contained folder: Inductor's serialized graph (`standalone_compile`)
+plus the C++ kernels it loads, so that loading it in another process, or on another machine with
+the same environment, compiles nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import __version__
+from ..device import backend_info
+from ..device.reference.build import compiler_version
+
+GRAPH_FILE = "graph.bin"
+KERNELS_DIR = "kernels"
+
+
+@functools.cache
+def environment() -> dict[str, str]:
+    """Everything a compiled graph depends on besides the graph itself."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return {
+        "optimum_neuron_torch": __version__,
+        "torch": torch.__version__,
+        "backend": backend_info().name,
+        "python": platform.python_version(),
+        "compiler": compiler_version(get_cpp_compiler()),
+        "cpu": f"{platform.machine()} {pick_vec_isa()} {torch.backends.cpu.get_cpu_capability()}",
+        "platform": sys.platform,
+    }
+
+
+@contextlib.contextmanager
+def _inductor_cache_in(folder: Path) -> Iterator[None]:
+    """Points Inductor's kernel cache at `folder` (its documented `TORCHINDUCTOR_CACHE_DIR`), so
+    the C++ kernels of a graph are written to, and found in, the graph's own entry."""
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
+
+
+def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """Compiles `gm` with Inductor's C++ code generation for the device into `folder`; returns
+    what the entry records about it."""
+    from torch._inductor import standalone_compile
+
+    from .inductor_device import host_memory_codegen, register
+
+    register()
+    start = time.perf_counter()
+    with host_memory_codegen(), _inductor_cache_in(folder / KERNELS_DIR):
+        compiled = standalone_compile(
+            gm, example_inputs, dynamic_shapes="from_example_inputs", aot=True,
+            options={"config_patches": options} if options else None,
+        )
+    (folder / GRAPH_FILE).write_bytes(compiled.serialize())
+    return {"compile_seconds": round(time.perf_counter() - start, 3)}
+
+
+def load(folder: Path) -> Callable[..., Any]:
+    """The compiled graph stored in `folder`, ready to call."""
+    from torch._inductor.standalone_compile import AOTCompiledArtifact
+
+    with _inductor_cache_in(folder / KERNELS_DIR):
+        return AOTCompiledArtifact.deserialize((folder / GRAPH_FILE).read_bytes())

@@ -1,0 +1,172 @@
+"""The persistent cache of compiled graphs: one directory per entry, found by a key that hashes
+everything the compiled code depends on.
+
+An entry is built in a private temporary directory and renamed into place, under a lock per key:
+two processes compiling the same graph at once both succeed and leave one valid entry (the
+second finds the first's), and an interrupted or failed compile leaves nothing that blocks a
+retry. Entries are sharded by key prefix (`ab/cd/abcd...`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from filelock import FileLock
+
+from ..device.reference.settings import cache_dir
+
+CACHE_ENV = "OPTIMUM_NEURON_TORCH_COMPILE_CACHE"
+METADATA = "entry.json"
+
+
+def cache_root() -> Path:
+    """The compile cache directory: `$OPTIMUM_NEURON_TORCH_COMPILE_CACHE`, else `compiled/` in the
+    library's cache directory."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    return cache_dir() / "compiled"
+
+
+def torchneuron_neff_cache() -> Path:
+    """Where TorchNeuron keeps its compiled NEFFs; on TorchNeuron, that cache is in charge."""
+    return Path(os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR", "/tmp/neff_cache"))
+
+
+@dataclass
+class CacheStats:
+    """What this process got from the cache: hits, misses (compiles) and the seconds they took."""
+
+    hits: int = 0
+    misses: int = 0
+    compile_seconds: float = 0.0
+    load_seconds: float = 0.0
+
+
+STATS = CacheStats()
+
+
+def cache_stats() -> CacheStats:
+    """A copy of this process's counters."""
+    return dataclasses.replace(STATS)
+
+
+def reset_cache_stats() -> None:
+    """Sets this process's counters back to zero."""
+    for field in dataclasses.fields(STATS):
+        setattr(STATS, field.name, field.default)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One compiled graph on disk."""
+
+    key: str
+    path: Path
+    metadata: dict[str, Any]
+
+    @property
+    def size(self) -> int:
+        return sum(file.stat().st_size for file in self.path.rglob("*") if file.is_file())
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor({tuple(value.shape)}, {tuple(value.stride())}, {value.dtype}, {value.device.type}, {value.requires_grad})"
+    return repr(value)
+
+
+def graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], environment: dict[str, str], options: dict[str, Any]) -> str:
+    """The key of a graph: its code, its constants, its inputs' shapes, strides and dtypes, the
+    environment (versions, compiler, CPU features) and the compile options."""
+    digest = hashlib.sha256()
+    digest.update(gm.code.encode())
+    for name, tensor in sorted((*gm.named_parameters(), *gm.named_buffers())):
+        digest.update(f"{name}:{_describe(tensor)}".encode())
+        if tensor.device.type != "meta":
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    for value in example_inputs:
+        digest.update(_describe(value).encode())
+    digest.update(json.dumps(environment, sort_keys=True).encode())
+    digest.update(json.dumps(options, sort_keys=True, default=repr).encode())
+    return digest.hexdigest()
+
+
+class CompileCache:
+    """The entries under one root directory."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        self.root = Path(root) if root is not None else cache_root()
+
+    def path(self, key: str) -> Path:
+        return self.root / key[:2] / key[2:4] / key
+
+    def get(self, key: str) -> Entry | None:
+        """The complete entry for `key`, or None."""
+        path = self.path(key)
+        try:
+            metadata = json.loads((path / METADATA).read_text())
+        except (OSError, ValueError):
+            return None
+        return Entry(key, path, metadata)
+
+    def get_or_build(self, key: str, build: Callable[[Path], dict[str, Any]]) -> tuple[Entry, bool]:
+        """The entry for `key`, built by `build(folder)` when missing; also says whether it was
+        built here. `build` fills a fresh folder and returns the entry's metadata."""
+        entry = self.get(key)
+        if entry is not None:
+            return entry, False
+        locks = self.root / "locks"
+        locks.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(locks / f"{key}.lock")):
+            entry = self.get(key)  # another process may have built it while we waited
+            if entry is not None:
+                return entry, False
+            staging = self.root / "tmp" / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+            staging.mkdir(parents=True)
+            try:
+                metadata = {"key": key, "created": time.time(), **build(staging)}
+                (staging / METADATA).write_text(json.dumps(metadata, indent=1, sort_keys=True))
+                final = self.path(key)
+                shutil.rmtree(final, ignore_errors=True)  # an incomplete entry left by hand
+                final.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(staging, final)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        return Entry(key, final, metadata), True
+
+    def add(self, source: Path) -> Entry:
+        """Copies an entry folder (e.g. one shipped with a saved model) into the cache."""
+        metadata = json.loads((Path(source) / METADATA).read_text())
+        entry, _ = self.get_or_build(metadata["key"], lambda folder: _copy_entry(Path(source), folder))
+        return entry
+
+    def entries(self) -> Iterator[Entry]:
+        """Every complete entry, oldest first."""
+        found = (self.get(path.parent.name) for path in self.root.glob(f"??/??/*/{METADATA}"))
+        yield from sorted((entry for entry in found if entry is not None), key=lambda entry: entry.metadata["created"])
+
+    def clear(self) -> int:
+        """Removes every entry and leftover temporary folder; returns how many entries were removed."""
+        removed = 0
+        for entry in list(self.entries()):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed += 1
+        shutil.rmtree(self.root / "tmp", ignore_errors=True)
+        return removed
+
+
+def _copy_entry(source: Path, folder: Path) -> dict[str, Any]:
+    shutil.copytree(source, folder, dirs_exist_ok=True)
+    metadata = json.loads((folder / METADATA).read_text())
+    return {name: value for name, value in metadata.items() if name not in ("key", "created")}

@@ -1,0 +1,69 @@
+"""The fixed set of shapes compiled generation runs: batch-size buckets, prompt-length buckets and
+one KV cache length."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from transformers import PretrainedConfig
+
+from ..errors import ConfigurationError
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
+DEFAULT_MAX_LENGTH = 2048
+SMALLEST_PROMPT_BUCKET = 16
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Every batch is padded to a batch size in `batch_sizes`; every prompt is left-padded to a
+    length in `prompt_lengths`, or to a multiple of the largest one and prefilled in chunks of
+    it; the KV cache holds `max_length` tokens (padded prompt plus new tokens)."""
+
+    batch_sizes: tuple[int, ...]
+    prompt_lengths: tuple[int, ...]
+    max_length: int
+
+    def __post_init__(self) -> None:
+        for name in ("batch_sizes", "prompt_lengths"):
+            values = tuple(sorted(set(int(value) for value in getattr(self, name))))
+            if not values or values[0] < 1:
+                raise ConfigurationError(f"{name} must hold at least one positive size, got {getattr(self, name)!r}.")
+            object.__setattr__(self, name, values)
+        if self.prompt_lengths[-1] >= self.max_length:
+            raise ConfigurationError(
+                f"the largest prompt bucket ({self.prompt_lengths[-1]}) must be below max_length ({self.max_length}), "
+                "to leave room for new tokens."
+            )
+
+    @classmethod
+    def default(cls, config: PretrainedConfig, max_length: int | None = None) -> Buckets:
+        """Batch sizes 1, 2, 4, 8; prompt buckets 16, 64, 256, ... (x4) up to half the cache; a
+        cache of the model's context length, capped at 2048."""
+        context = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
+        max_length = max_length or min(context, DEFAULT_MAX_LENGTH)
+        prompt_lengths = [min(SMALLEST_PROMPT_BUCKET, max_length // 2)]
+        while prompt_lengths[-1] * 4 <= max_length // 2:
+            prompt_lengths.append(prompt_lengths[-1] * 4)
+        return cls(DEFAULT_BATCH_SIZES, tuple(prompt_lengths), max_length)
+
+    def batch_size_for(self, batch_size: int) -> int | None:
+        """The smallest batch bucket that holds `batch_size`, or None."""
+        return next((size for size in self.batch_sizes if size >= batch_size), None)
+
+    def prompt_shape_for(self, prompt_length: int) -> tuple[int, int]:
+        """(padded length, chunk length): the smallest bucket that holds the prompt, else a
+        multiple of the largest bucket, prefilled one chunk at a time."""
+        for length in self.prompt_lengths:
+            if length >= prompt_length:
+                return length, length
+        chunk = self.prompt_lengths[-1]
+        return -(-prompt_length // chunk) * chunk, chunk
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: list(value) if isinstance(value, tuple) else value for name, value in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Buckets:
+        return cls(tuple(values["batch_sizes"]), tuple(values["prompt_lengths"]), int(values["max_length"]))

@@ -1,0 +1,335 @@
+"""generate() on a fixed set of compiled static-shape graphs.
+
+Transformers' own `generate()` runs the decoding loop (logits processors, sampling, stopping
+criteria, streamers, output classes); this module only chooses its shapes. Every call is padded
+to a batch bucket and a prompt bucket and given one static KV cache of fixed length per batch
+bucket, and every forward of the loop goes through one compiled function: prefill as Transformers'
+chunked prefill with the bucket as chunk size, then one decode step at a time. So the graphs are
+one per (batch bucket, prompt bucket) plus one decode graph per batch bucket, whatever the prompt
+length or `max_new_tokens`. Encoder-decoders run a compiled encoder per (batch, prompt bucket) and
+a compiled decode step per (batch, prompt bucket); their first decoder step (one token, which
+fills the cross-attention cache) runs eagerly. What it cannot serve this way runs Transformers' eager `generate()`,
+with a warning once per reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import CompileConfig, EncoderDecoderCache, GenerationConfig, PreTrainedModel, StaticCache
+from transformers.cache_utils import StaticLayer
+from transformers.generation import GenerationMode, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+from transformers.masking_utils import create_masks_for_generate
+from transformers.modeling_outputs import BaseModelOutput
+from transformers.utils import ModelOutput
+
+from ..compiler.backend import recording_cache_keys
+from .buckets import Buckets
+
+COMPILE_CONFIG = CompileConfig(backend="neuron", fullgraph=True, dynamic=False, mode="default")
+SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+# Kwargs whose presence sends a call to Transformers' eager generate(), with why.
+UNSUPPORTED_KWARGS = {
+    "inputs_embeds": "generation from inputs_embeds",
+    "cache": "a cache passed by the caller",
+    "past_key_values": "a cache passed by the caller",
+    "assistant_model": "assisted generation",
+    "negative_prompt_ids": "negative prompts",
+    "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn",
+    "custom_generate": "custom_generate",
+    "synced_gpus": "synced_gpus",
+}
+
+
+class _PaddingRowsDone(StoppingCriteria):
+    """Marks the rows added to fill a batch bucket as finished from the first token."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        done[self.rows:] = True
+        return done
+
+
+class _UnpaddedStreamer(BaseStreamer):
+    """Hands a streamer the prompt without the padding added to reach the bucket."""
+
+    def __init__(self, streamer: BaseStreamer, padding: int) -> None:
+        self.streamer, self.padding, self.first = streamer, padding, True
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.first:
+            self.first, value = False, value[..., self.padding:]
+        self.streamer.put(value)
+
+    def end(self) -> None:
+        self.streamer.end()
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    """How one call is padded: real and bucketed rows, prompt length before and after padding,
+    prefill chunk, new tokens."""
+
+    rows: int
+    batch: int
+    prompt: int
+    padded: int
+    chunk: int
+    new_tokens: int
+    min_new_tokens: int
+
+
+class CompiledGeneration:
+    """The compiled-generation state of one model: its buckets, one static cache per batch bucket
+    (and encoder bucket, for encoder-decoders), and the compiled forward every step goes through."""
+
+    def __init__(self, model: PreTrainedModel, buckets: Buckets) -> None:
+        self.model = model
+        self.buckets = buckets
+        self.cache_keys: set[str] = set()  # compile-cache entries of this model's graphs
+        self.active = False  # inside a compiled generate(): get_compiled_call() answers with `forward`
+        self._caches: dict[tuple[int, int], StaticCache | EncoderDecoderCache] = {}
+        self._compiled_forward: Callable[..., Any] | None = None
+        self._compiled_encoder: Callable[..., Any] | None = None
+        self._warned: set[str] = set()
+
+    @property
+    def graph_budget(self) -> int:
+        """The most graphs this bucket set can need (Dynamo's recompile limit is raised to it): per
+        batch bucket, a prefill per prompt bucket and a decode step; for encoder-decoders, an
+        encoder and a decode step per encoder bucket."""
+        per_prompt_bucket = 2 if self.model.config.is_encoder_decoder else 1
+        return len(self.buckets.batch_sizes) * (len(self.buckets.prompt_lengths) * per_prompt_bucket + 1)
+
+    @property
+    def _vocab_size(self) -> int:
+        return self.model.get_input_embeddings().num_embeddings
+
+    def set_buckets(self, buckets: Buckets) -> None:
+        if buckets.max_length != self.buckets.max_length:
+            self._caches.clear()
+        self.buckets = buckets
+
+    # The compiled functions -------------------------------------------------------------------
+    def forward(self, **inputs: Any) -> Any:
+        """The model's forward, compiled. Its inputs are made canonical, so that each bucket meets
+        one graph: standard strides (a chunk sliced from a longer prompt has others), and always a
+        materialized attention mask (Transformers leaves it out of a prefill without padding)."""
+        if self._compiled_forward is None:
+            self._compiled_forward = torch.compile(self.model.__call__, **COMPILE_CONFIG.to_dict())
+        if inputs.get("attention_mask") is None and not self.model.config.is_encoder_decoder:
+            inputs["attention_mask"] = self._causal_mask(inputs["input_ids"], inputs["cache"], inputs.get("position_ids"))
+        return self._compiled_forward(**{name: _dense(value) for name, value in inputs.items()})
+
+    def _causal_mask(self, input_ids: torch.Tensor, cache: StaticCache, position_ids: torch.Tensor | None) -> Any:
+        """The masks Transformers' generate() builds for a compiled forward, for a sequence without
+        padding. The 2D mask covers the whole cache: its "future" slots, masked by causality anyway,
+        are ones, which keeps Transformers from skipping the mask in favour of SDPA's `is_causal`."""
+        model = self.model
+        make_masks = getattr(model, "create_masks_for_generate", create_masks_for_generate)
+        batch, length = input_ids.shape
+        return make_masks(
+            config=model.config,
+            inputs_embeds=torch.empty((batch, length, 0), dtype=model.dtype, device=input_ids.device),
+            attention_mask=torch.ones((batch, self.buckets.max_length), dtype=torch.long, device=input_ids.device),
+            cache=cache,
+            position_ids=position_ids,
+        )
+
+    def _encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> BaseModelOutput:
+        if self._compiled_encoder is None:
+            self._compiled_encoder = torch.compile(self.model.get_encoder().__call__, **COMPILE_CONFIG.to_dict())
+        return self._compiled_encoder(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
+
+    def _cache(self, batch: int, encoder_length: int) -> StaticCache | EncoderDecoderCache:
+        """The static cache of a batch bucket (and encoder bucket), allocated once, emptied per call."""
+        key = (batch, encoder_length)
+        if key not in self._caches:
+            model = self.model
+            config = model.config.get_text_config(decoder=True)
+            num_heads, head_dim = model._get_static_cache_init_shape()
+            lengths = [self.buckets.max_length] + ([encoder_length] if model.config.is_encoder_decoder else [])
+            caches = [StaticCache(config=config, max_cache_len=length) for length in lengths]
+            for cache, length in zip(caches, lengths):
+                # Sliding-window layers branch on a Python int that Dynamo specializes on (a new graph
+                # per step); a full layer under the model's sliding-window mask computes the same.
+                cache.layers = [StaticLayer(max_cache_len=length) if layer.is_sliding else layer for layer in cache.layers]
+                cache.early_initialization(batch_size=batch, num_heads=num_heads, head_dim=head_dim, dtype=model.dtype, device=model.device)
+            self._caches[key] = EncoderDecoderCache(*caches) if len(caches) == 2 else caches[0]
+        cache = self._caches[key]
+        cache.reset()
+        return cache
+
+    # generate() --------------------------------------------------------------------------------
+    def generate(self, transformers_generate: Callable[..., Any], inputs: torch.Tensor | None = None,
+                 generation_config: GenerationConfig | None = None, **kwargs: Any) -> Any:
+        """Transformers' `generate()` on bucketed shapes and compiled graphs, or unchanged (eager)
+        for what those cannot serve."""
+        input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+        config, _ = self.model._prepare_generation_config(generation_config, **kwargs)
+        if config.disable_compile:
+            return transformers_generate(input_ids, generation_config, **kwargs)
+        shapes = self._plan(input_ids, config, kwargs)
+        if isinstance(shapes, str):
+            self._warn_once(shapes)
+            return transformers_generate(input_ids, generation_config, **kwargs)
+        call_kwargs = self._padded_call(input_ids, config, shapes, kwargs)
+        with self._serving():
+            output = transformers_generate(generation_config=generation_config, **call_kwargs)
+        return self._unpad(output, shapes)
+
+    def _plan(self, input_ids: torch.Tensor | None, config: GenerationConfig, kwargs: dict[str, Any]) -> _Shapes | str:
+        """The padded shapes of this call, or why it cannot run compiled."""
+        for name, why in UNSUPPORTED_KWARGS.items():
+            if kwargs.get(name) is not None:
+                return why
+        if input_ids is None or input_ids.ndim != 2:
+            return "generation without a 2D tensor of input ids"
+        mode = config.get_generation_mode()
+        if mode not in SUPPORTED_MODES:
+            return f"{mode.value.replace('_', ' ')} (num_beams={config.num_beams})"
+        if config.output_attentions or config.output_hidden_states:
+            return "output_attentions / output_hidden_states"
+        if config.cache_implementation not in (None, "static"):
+            return f"cache_implementation={config.cache_implementation!r}"
+        rows = input_ids.shape[0] * (config.num_return_sequences or 1)
+        batch = self.buckets.batch_size_for(rows)
+        if batch is None:
+            return (f"a batch of {rows} sequences, above the largest batch bucket ({self.buckets.batch_sizes[-1]}); "
+                    "add a bucket with model.precompile(batch_sizes=...)")
+        prompt = input_ids.shape[1]
+        new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt
+        min_new_tokens = config.min_new_tokens if config.min_new_tokens is not None else max(config.min_length - prompt, 0)
+        if self.model.config.is_encoder_decoder:
+            padded = chunk = next((length for length in self.buckets.prompt_lengths if length >= prompt), 0)
+            needed = new_tokens + 1
+            if not padded:
+                return (f"an encoder input of {prompt} tokens, above the largest prompt bucket "
+                        f"({self.buckets.prompt_lengths[-1]}); add a bucket with model.precompile(prompt_buckets=...)")
+        else:
+            padded, chunk = self.buckets.prompt_shape_for(prompt)
+            needed = padded + new_tokens
+        if needed > self.buckets.max_length:
+            return (f"{needed} cache positions (prompt padded to {padded}, {new_tokens} new tokens) where the KV cache holds "
+                    f"{self.buckets.max_length}; raise it with model.precompile(max_length=...)")
+        return _Shapes(rows, batch, prompt, padded, chunk, new_tokens, min_new_tokens)
+
+    def _padded_call(self, input_ids: torch.Tensor, config: GenerationConfig, shapes: _Shapes, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The arguments of Transformers' generate() for the padded call."""
+        kwargs = {name: value for name, value in kwargs.items() if name not in ("max_length", "min_length")}
+        attention_mask = kwargs.pop("attention_mask", None)
+        if attention_mask is None:
+            attention_mask = _default_attention_mask(input_ids, config)
+        device = self.model.device
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        if config.num_return_sequences and config.num_return_sequences > 1:
+            input_ids = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
+            attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
+        extra_rows = shapes.batch - shapes.rows
+        if extra_rows:  # copies of the first row, finished from the first token
+            input_ids = torch.cat([input_ids, input_ids[:1].expand(extra_rows, -1)])
+            attention_mask = torch.cat([attention_mask, attention_mask[:1].expand(extra_rows, -1)])
+            stopping = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+            kwargs["stopping_criteria"] = StoppingCriteriaList([*stopping, _PaddingRowsDone(shapes.rows)])
+        pad = shapes.padded - shapes.prompt
+        pad_id = _pad_token_id(config, self._vocab_size)
+        id_padding = torch.full((shapes.batch, pad), pad_id, dtype=input_ids.dtype, device=device)
+        mask_padding = torch.zeros((shapes.batch, pad), dtype=attention_mask.dtype, device=device)
+        if self.model.config.is_encoder_decoder:  # the encoder is padded on the right: its positions stay the same
+            input_ids = torch.cat([input_ids, id_padding], dim=1)
+            attention_mask = torch.cat([attention_mask, mask_padding], dim=1)
+            kwargs["encoder_outputs"] = self._encode(input_ids, attention_mask)
+        else:  # decoders are padded on the left, as Transformers pads batches for generation
+            input_ids = torch.cat([id_padding, input_ids], dim=1)
+            attention_mask = torch.cat([mask_padding, attention_mask], dim=1)
+            kwargs["prefill_chunk_size"] = shapes.chunk
+            if kwargs.get("streamer") is not None:
+                kwargs["streamer"] = _UnpaddedStreamer(kwargs["streamer"], pad)
+        return {
+            **kwargs,
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "cache": self._cache(shapes.batch, shapes.padded if self.model.config.is_encoder_decoder else 0),
+            "max_new_tokens": shapes.new_tokens,
+            "min_new_tokens": shapes.min_new_tokens,
+            "num_return_sequences": 1,
+            "cache_implementation": None,
+            "compile_config": COMPILE_CONFIG,
+        }
+
+    def _unpad(self, output: Any, shapes: _Shapes) -> Any:
+        """The output of the padded call as the unpadded call would have returned it."""
+        columns = 0 if self.model.config.is_encoder_decoder else shapes.padded - shapes.prompt
+        if isinstance(output, torch.Tensor):
+            return output[: shapes.rows, columns:]
+        output.sequences = output.sequences[: shapes.rows, columns:]
+        for name in ("scores", "logits"):
+            if getattr(output, name, None) is not None:
+                setattr(output, name, tuple(step[: shapes.rows] for step in getattr(output, name)))
+        if isinstance(output, ModelOutput) and "cache" in output:
+            output.cache = None  # the static cache is the model's, reused by the next call
+        return output
+
+    @contextlib.contextmanager
+    def _serving(self) -> Iterator[None]:
+        """While Transformers' generate() runs: its compiled call is ours, Dynamo may keep a graph
+        per bucket, and the cache keys of the graphs used are recorded."""
+        self.active = True
+        try:
+            with torch._dynamo.config.patch(recompile_limit=max(64, self.graph_budget), accumulated_recompile_limit=max(256, self.graph_budget)), \
+                    recording_cache_keys() as keys:
+                yield
+        finally:
+            self.active = False
+            self.cache_keys |= keys
+
+    def _warn_once(self, reason: str) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warnings.warn(
+                f"generate() with {reason} does not run on the compiled neuron graphs: falling back to Transformers' "
+                "eager generate(), which compiles nothing and is much slower on Neuron.", stacklevel=4,
+            )
+
+    # precompile() ------------------------------------------------------------------------------
+    def precompile(self, show_progress: bool = True) -> None:
+        """Compiles (or loads from the compile cache) every graph of the bucket set."""
+        combinations = [(batch, length) for batch in self.buckets.batch_sizes for length in self.buckets.prompt_lengths]
+        token = _pad_token_id(self.model.generation_config, self._vocab_size)
+        for batch, length in tqdm(combinations, desc="Compiling neuron graphs", disable=not show_progress):
+            ids = torch.full((batch, length), token, dtype=torch.long, device=self.model.device)
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2, do_sample=False)
+
+
+def _dense(value: Any) -> Any:
+    """`value` with the strides of a new contiguous tensor (Dynamo guards on strides, even those
+    of size-1 dimensions that `contiguous()` leaves as they are)."""
+    if isinstance(value, torch.Tensor) and value.stride() != torch.empty(value.shape, device="meta").stride():
+        return value.clone(memory_format=torch.contiguous_format)
+    return value
+
+
+def _pad_token_id(config: GenerationConfig, vocab_size: int) -> int:
+    """A token id for the padding (masked, so any id in the vocabulary): the pad token, else 0."""
+    pad = config.pad_token_id
+    return int(pad) if isinstance(pad, int) and 0 <= pad < vocab_size else 0
+
+
+def _default_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
+    """The mask Transformers infers when none is given: pad tokens are masked when the pad token
+    is not also an end-of-sequence token."""
+    pad = config.pad_token_id
+    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    if pad is not None and pad not in eos and bool((input_ids == pad).any()):
+        return (input_ids != pad).long()
+    return torch.ones_like(input_ids, dtype=torch.long)

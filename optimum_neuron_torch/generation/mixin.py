@@ -1,0 +1,75 @@
+"""Compiled generation on a loaded model: its class becomes a subclass of itself that adds
+`precompile()` and routes `generate()` through compiled graphs. The model stays an instance of its
+Transformers class under the same name; `disable_compiled_generation` restores the class."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from transformers import CompileConfig, GenerationConfig, PreTrainedModel
+
+from .buckets import Buckets
+from .compiled_generation import CompiledGeneration
+from .saving import restore, save
+
+
+class NeuronGenerationMixin:
+    """What compiled generation adds to a Transformers model class."""
+
+    neuron_generation: CompiledGeneration
+
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs: Any) -> Any:
+        """Transformers' `generate()`, run on compiled static-shape graphs (see
+        `optimum_neuron_torch.generation`)."""
+        return self.neuron_generation.generate(super().generate, inputs, generation_config, **kwargs)
+
+    def precompile(self, batch_sizes: tuple[int, ...] | None = None, prompt_buckets: tuple[int, ...] | None = None,
+                   max_length: int | None = None, show_progress: bool = True) -> None:
+        """Compiles every graph generation needs, for these buckets (kept for later calls and
+        saved by `save_pretrained`); graphs already in the compile cache are loaded instead."""
+        current = self.neuron_generation.buckets
+        self.neuron_generation.set_buckets(Buckets(
+            batch_sizes or current.batch_sizes, prompt_buckets or current.prompt_lengths, max_length or current.max_length,
+        ))
+        self.neuron_generation.precompile(show_progress)
+
+    def get_compiled_call(self, compile_config: CompileConfig | None) -> Callable[..., Any]:
+        if self.neuron_generation.active:
+            return self.neuron_generation.forward
+        return super().get_compiled_call(compile_config)
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str], *args: Any, is_main_process: bool = True, **kwargs: Any) -> None:
+        """Transformers' `save_pretrained`, plus the buckets and the compiled graphs."""
+        super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
+        if is_main_process:
+            save(self.neuron_generation, Path(save_directory))
+
+
+@functools.cache
+def _with_compiled_generation(model_class: type[PreTrainedModel]) -> type[PreTrainedModel]:
+    return type(model_class.__name__, (NeuronGenerationMixin, model_class),
+                {"__module__": model_class.__module__, "__qualname__": model_class.__qualname__, "__doc__": model_class.__doc__})
+
+
+def enable_compiled_generation(model: PreTrainedModel, buckets: Buckets | None = None,
+                               saved: str | os.PathLike[str] | None = None) -> PreTrainedModel:
+    """Routes `model.generate()` through compiled graphs of `buckets` (default: the buckets saved
+    in the folder `saved`, else `Buckets.default`); graphs saved there join the compile cache."""
+    if isinstance(model, NeuronGenerationMixin):
+        disable_compiled_generation(model)
+    restored = restore(Path(saved)) if saved is not None else None
+    model.neuron_generation = CompiledGeneration(model, buckets or restored or Buckets.default(model.config))
+    model.__class__ = _with_compiled_generation(type(model))
+    return model
+
+
+def disable_compiled_generation(model: PreTrainedModel) -> PreTrainedModel:
+    """Gives `model` back its own class and Transformers' `generate()`."""
+    if isinstance(model, NeuronGenerationMixin):
+        model.__class__ = type(model).__bases__[1]
+        del model.neuron_generation
+    return model

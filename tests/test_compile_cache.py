@@ -1,0 +1,146 @@
+"""The persistent cache of compiled graphs: reuse across processes, concurrent compiles, failed
+compiles, models saved precompiled, and `optimum-cli neuron-torch cache`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from conftest import run_python
+from optimum_neuron_torch.compiler.cache import CACHE_ENV, CompileCache
+from tiny_models import TINY_MODELS
+
+# Loads the tiny Llama saved in sys.argv[1] with NeuronAutoModelForCausalLM, generates once, and
+# prints the tokens and the compile-cache counters as JSON.
+GENERATE = """
+import json, sys, time
+import torch
+from optimum_neuron_torch import NeuronAutoModelForCausalLM
+from optimum_neuron_torch.compiler import cache_stats
+model = NeuronAutoModelForCausalLM.from_pretrained(sys.argv[1])
+ids = torch.arange(4, 15).unsqueeze(0).to("neuron")
+start = time.perf_counter()
+tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
+stats = cache_stats()
+print(json.dumps({"tokens": tokens.cpu().tolist(), "hits": stats.hits, "misses": stats.misses,
+                  "first_call_seconds": time.perf_counter() - start}))
+"""
+
+
+def generate_in_subprocess(folder: Path, cache: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", GENERATE, str(folder)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, CACHE_ENV: str(cache)})
+
+
+def result(process: subprocess.Popen) -> dict:
+    out, err = process.communicate(timeout=600)
+    assert process.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def saved_llama(tmp_path_factory) -> Path:
+    return TINY_MODELS["llama"].save(tmp_path_factory.mktemp("models") / "llama")
+
+
+def test_a_second_process_loads_instead_of_compiling(saved_llama, tmp_path):
+    cold = result(generate_in_subprocess(saved_llama, tmp_path / "cache"))
+    warm = result(generate_in_subprocess(saved_llama, tmp_path / "cache"))
+    assert cold["misses"] == 2 and cold["hits"] == 0  # prefill bucket and decode step
+    assert warm["misses"] == 0 and warm["hits"] == 2
+    assert warm["tokens"] == cold["tokens"]
+    assert len(list(CompileCache(tmp_path / "cache").entries())) == 2
+
+
+def test_two_processes_compiling_the_same_graphs_leave_one_valid_entry_each(saved_llama, tmp_path):
+    processes = [generate_in_subprocess(saved_llama, tmp_path / "cache") for _ in range(2)]
+    first, second = (result(process) for process in processes)
+    assert first["tokens"] == second["tokens"]
+    assert first["misses"] + second["misses"] == 2  # each graph compiled once; the other process waited and loaded it
+    entries = list(CompileCache(tmp_path / "cache").entries())
+    assert len(entries) == 2
+    assert not any((tmp_path / "cache" / "tmp").iterdir())
+    assert result(generate_in_subprocess(saved_llama, tmp_path / "cache"))["misses"] == 0  # the entries load
+
+
+def test_a_failed_compile_leaves_nothing_that_blocks_a_retry(tmp_path):
+    cache = CompileCache(tmp_path)
+
+    def failing(folder: Path) -> dict:
+        (folder / "graph.bin").write_bytes(b"half written")
+        raise RuntimeError("compiler crashed")
+
+    with pytest.raises(RuntimeError, match="compiler crashed"):
+        cache.get_or_build("ab" * 32, failing)
+    assert cache.get("ab" * 32) is None and not any((tmp_path / "tmp").iterdir())
+    entry, built = cache.get_or_build("ab" * 32, lambda folder: (folder / "graph.bin").write_bytes(b"ok") and {})
+    assert built and (entry.path / "graph.bin").read_bytes() == b"ok"
+    assert entry.path == tmp_path / "ab" / "ab" / ("ab" * 32)  # sharded by key prefix
+    assert cache.get_or_build("ab" * 32, lambda folder: pytest.fail("built twice")) == (entry, False)
+
+
+def test_concurrent_builders_in_one_process_build_once(tmp_path):
+    cache = CompileCache(tmp_path)
+    built = []
+
+    def build(folder: Path) -> dict:
+        built.append(folder)
+        return {}
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: cache.get_or_build("cd" * 32, build), range(4)))
+    assert len(built) == 1 and sum(was_built for _, was_built in results) == 1
+
+
+def test_a_model_saved_precompiled_arrives_precompiled(saved_llama, tmp_path):
+    """precompile() then save_pretrained(); a new process with an empty compile cache loads the
+    saved graphs and compiles nothing."""
+    code = f"""
+        from optimum_neuron_torch import NeuronAutoModelForCausalLM
+        model = NeuronAutoModelForCausalLM.from_pretrained({str(saved_llama)!r})
+        model.precompile(batch_sizes=(1,), prompt_buckets=(16,), max_length=64, show_progress=False)
+        model.save_pretrained({str(tmp_path / "precompiled")!r})
+    """
+    done = run_python(code, env={CACHE_ENV: str(tmp_path / "first")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    spec = json.loads((tmp_path / "precompiled" / "neuron_generation.json").read_text())
+    assert spec["buckets"] == {"batch_sizes": [1], "prompt_lengths": [16], "max_length": 64}
+    assert len(spec["graphs"]) == 2 and all((tmp_path / "precompiled" / "neuron_compiled" / key).is_dir() for key in spec["graphs"])
+
+    arrived = result(generate_in_subprocess(tmp_path / "precompiled", tmp_path / "second"))
+    assert arrived["misses"] == 0 and arrived["hits"] == 2
+
+
+def test_graphs_saved_in_another_environment_are_recompiled_with_a_message(saved_llama, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(saved_llama, folder)
+    spec = {"buckets": {"batch_sizes": [1], "prompt_lengths": [16], "max_length": 64}, "compile_config": {},
+            "environment": {"torch": "1.0.0"}, "graphs": []}
+    (folder / "neuron_generation.json").write_text(json.dumps(spec))
+    from optimum_neuron_torch import NeuronAutoModelForCausalLM
+
+    with pytest.warns(UserWarning, match=r"compiled in another environment \(.*torch: saved '1.0.0'.*compiled again on first use"):
+        model = NeuronAutoModelForCausalLM.from_pretrained(folder)
+    assert model.neuron_generation.buckets.prompt_lengths == (16,)
+
+
+def test_cli_lists_reports_and_clears_the_cache(saved_llama, tmp_path):
+    result(generate_in_subprocess(saved_llama, tmp_path / "cache"))
+    env = {**os.environ, CACHE_ENV: str(tmp_path / "cache")}
+
+    def cli(*args: str) -> str:
+        done = subprocess.run([str(Path(sys.executable).parent / "optimum-cli"), "neuron-torch", "cache", *args], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    assert cli("list").startswith(f"2 compiled graphs in {tmp_path / 'cache'}")
+    assert "graphs: 2" in cli("stats")
+    assert "removed 2 compiled graphs" in cli("clear")
+    assert "graphs: 0" in cli("stats")

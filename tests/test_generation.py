@@ -1,0 +1,224 @@
+"""Compiled generation: token-identical to Transformers' eager generate() on the CPU, on a fixed set
+of graphs, with no recompile after warm-up."""
+
+from __future__ import annotations
+
+import copy
+import random
+import string
+import warnings
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast, TextStreamer
+
+from optimum_neuron_torch import NeuronAutoModelForCausalLM
+from optimum_neuron_torch.generation import Buckets, disable_compiled_generation, enable_compiled_generation
+from tiny_models import TINY_MODELS, VOCAB
+
+BUCKETS = Buckets(batch_sizes=(1, 4), prompt_lengths=(8, 16), max_length=64)
+GREEDY = dict(do_sample=False)
+
+
+def compiled(name: str, buckets: Buckets = BUCKETS, **config_changes):
+    """(CPU model, compiled-generation model on the device) of a tiny architecture."""
+    tiny = TINY_MODELS[name]
+    cpu = tiny.build()
+    for key, value in config_changes.items():
+        setattr(cpu.config, key, value)
+    return cpu, enable_compiled_generation(copy.deepcopy(cpu).to("neuron"), buckets)
+
+
+def prompt(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    return torch.randint(4, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def recompiles() -> int:
+    return sum(torch._dynamo.utils.counters["recompiles"].values())
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """A tiny Llama with compiled generation, warmed up on every graph of BUCKETS."""
+    torch._dynamo.reset()
+    cpu, model = compiled("llama")
+    model.precompile(show_progress=False)
+    return cpu, model
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma2", "gpt2"])
+def test_greedy_tokens_match_transformers_eager_on_cpu(name, fresh_dynamo):
+    cpu, model = compiled(name, Buckets((1,), (8, 16), 64))
+    for length, new_tokens in ((5, 8), (13, 10)):
+        ids = prompt(length, seed=length)
+        expected = cpu.generate(ids, max_new_tokens=new_tokens, **GREEDY)
+        generated = model.generate(ids.to("neuron"), max_new_tokens=new_tokens, **GREEDY)
+        assert generated.device.type == "neuron"
+        assert generated.cpu().tolist() == expected.tolist()
+    assert graphs() == 3  # prefill 8, prefill 16, decode
+
+
+def test_sliding_window_attention_matches_eager(fresh_dynamo):
+    """Gemma2 with a window shorter than the prompt: the full static layer under the sliding mask
+    computes what Transformers' sliding cache does."""
+    cpu, model = compiled("gemma2", Buckets((1,), (16,), 64), sliding_window=6)
+    ids = prompt(12, seed=3)
+    expected = cpu.generate(ids, max_new_tokens=12, **GREEDY)
+    assert model.generate(ids.to("neuron"), max_new_tokens=12, **GREEDY).cpu().tolist() == expected.tolist()
+
+
+def test_seq2seq_tokens_match_transformers_eager_on_cpu(fresh_dynamo):
+    cpu, model = compiled("t5", Buckets((1, 2), (8, 16), 32))
+    for batch, length in ((1, 5), (1, 7), (2, 12)):
+        ids = prompt(length, batch, seed=length)
+        expected = cpu.generate(ids, max_new_tokens=6, **GREEDY)
+        assert model.generate(ids.to("neuron"), max_new_tokens=6, **GREEDY).cpu().tolist() == expected.tolist()
+
+
+def test_no_recompile_after_warm_up(llama):
+    """30 prompts of random lengths up to the largest bucket, three max_new_tokens: no new graph."""
+    cpu, model = llama
+    torch._dynamo.utils.counters.clear()
+    rng = random.Random(0)
+    for index in range(30):
+        ids = prompt(rng.randint(1, 16), seed=index)
+        new_tokens = (3, 9, 17)[index % 3]
+        generated = model.generate(ids.to("neuron"), max_new_tokens=new_tokens, **GREEDY)
+        if index % 10 == 0:
+            assert generated.cpu().tolist() == cpu.generate(ids, max_new_tokens=new_tokens, **GREEDY).tolist()
+    assert graphs() == 0 and recompiles() == 0
+
+
+def test_warm_up_compiles_one_graph_per_bucket(fresh_dynamo):
+    _, model = compiled("llama", Buckets((1, 4), (8, 16), 64))
+    model.precompile(show_progress=False)
+    assert graphs() == 2 * (2 + 1)  # per batch bucket: a prefill per prompt bucket, and the decode step
+
+
+def test_chunked_prefill_of_a_long_prompt_matches_eager(llama):
+    cpu, model = llama
+    torch._dynamo.utils.counters.clear()
+    ids = prompt(48, seed=7)  # 3x the largest bucket
+    expected = cpu.generate(ids, max_new_tokens=8, **GREEDY)
+    assert model.generate(ids.to("neuron"), max_new_tokens=8, **GREEDY).cpu().tolist() == expected.tolist()
+    assert graphs() == 0  # chunks run the largest bucket's graph
+
+
+def test_padded_batch_matches_one_by_one(llama):
+    """Three prompts of different lengths, left-padded by the caller, in a batch bucket of 4."""
+    cpu, model = llama
+    lengths = (3, 9, 14)
+    ids = torch.zeros((3, 14), dtype=torch.long)
+    mask = torch.zeros((3, 14), dtype=torch.long)
+    singles = []
+    for row, length in enumerate(lengths):
+        single = prompt(length, seed=row)
+        ids[row, 14 - length:], mask[row, 14 - length:] = single[0], 1
+        singles.append(model.generate(single.to("neuron"), max_new_tokens=6, **GREEDY)[0, length:].cpu())
+    batch = model.generate(ids.to("neuron"), attention_mask=mask.to("neuron"), max_new_tokens=6, **GREEDY).cpu()
+    assert batch.shape == (3, 20)
+    for row, single in enumerate(singles):
+        assert batch[row, 14:].tolist() == single.tolist()
+    assert batch.tolist() == cpu.generate(ids, attention_mask=mask, max_new_tokens=6, **GREEDY).tolist()
+
+
+def test_sampling_is_reproducible_under_manual_seed(llama):
+    _, model = llama
+    ids = prompt(6).to("neuron")
+    settings = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3, max_new_tokens=12)
+    runs = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        runs.append(model.generate(ids, **settings).cpu().tolist())
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_eos_token_lists_and_dict_outputs_match_eager(llama):
+    cpu, model = llama
+    ids = prompt(6, seed=5)
+    free_run = cpu.generate(ids, max_new_tokens=10, **GREEDY)[0, 6:].tolist()
+    eos = [free_run[3], 1000 % VOCAB]  # stops at the 4th new token
+    settings = dict(max_new_tokens=10, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True, output_scores=True, **GREEDY)
+    expected = cpu.generate(ids, **settings)
+    generated = model.generate(ids.to("neuron"), **settings)
+    assert generated.sequences.cpu().tolist() == expected.sequences.tolist()
+    assert generated.sequences.shape[1] <= 6 + 4
+    assert len(generated.scores) == len(expected.scores)
+    for device_scores, cpu_scores in zip(generated.scores, expected.scores):
+        torch.testing.assert_close(device_scores.cpu(), cpu_scores, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> PreTrainedTokenizerFast:
+    """A character tokenizer over the tiny vocabulary: every token is one character."""
+    characters = string.ascii_letters + string.digits
+    characters += "".join(chr(0x100 + index) for index in range(VOCAB - len(characters)))
+    backend = Tokenizer(models.BPE({character: index for index, character in enumerate(characters)}, merges=[]))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def test_stop_strings_and_streamer_match_eager(llama, tokenizer, capsys):
+    cpu, model = llama
+    ids = prompt(7, seed=11)
+    free_run = cpu.generate(ids, max_new_tokens=10, **GREEDY)[0, 7:].tolist()
+    stop = tokenizer.decode(free_run[3:5])
+    settings = dict(max_new_tokens=10, stop_strings=[stop], tokenizer=tokenizer, **GREEDY)
+    expected = cpu.generate(ids, streamer=TextStreamer(tokenizer), **settings)
+    cpu_text = capsys.readouterr().out
+    generated = model.generate(ids.to("neuron"), streamer=TextStreamer(tokenizer), **settings)
+    assert generated.cpu().tolist() == expected.tolist()
+    assert capsys.readouterr().out == cpu_text
+    assert stop in cpu_text
+
+
+def test_beam_search_falls_back_to_eager_with_one_warning(llama):
+    cpu, model = llama
+    ids = prompt(5, seed=2)
+    settings = dict(num_beams=2, max_new_tokens=5, **GREEDY)
+    with pytest.warns(UserWarning, match="beam search .* falling back to Transformers' eager generate"):
+        generated = model.generate(ids.to("neuron"), **settings)
+    assert generated.cpu().tolist() == cpu.generate(ids, **settings).tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.generate(ids.to("neuron"), **settings)  # warned once only
+
+
+def test_too_long_generation_falls_back_and_says_how_to_fix(llama):
+    _, model = llama
+    with pytest.warns(UserWarning, match=r"cache holds 64; raise it with model.precompile\(max_length=...\)"):
+        generated = model.generate(prompt(10).to("neuron"), max_new_tokens=60, min_new_tokens=60, **GREEDY)
+    assert generated.shape == (1, 70)
+
+
+def test_auto_class_models_have_compiled_generation_and_it_can_be_removed(tmp_path):
+    folder = TINY_MODELS["llama"].save(tmp_path / "llama")
+    model = NeuronAutoModelForCausalLM.from_pretrained(folder)
+    assert type(model).__name__ == "LlamaForCausalLM" and hasattr(model, "precompile")
+    assert model.neuron_generation.buckets == Buckets.default(model.config)
+    disable_compiled_generation(model)
+    assert type(model) is type(TINY_MODELS["llama"].build()) and not hasattr(model, "precompile")
+
+
+def test_buckets():
+    buckets = Buckets((4, 1, 1), (64, 16), 256)
+    assert buckets.batch_sizes == (1, 4) and buckets.prompt_lengths == (16, 64)
+    assert buckets.batch_size_for(3) == 4 and buckets.batch_size_for(5) is None
+    assert buckets.prompt_shape_for(10) == (16, 16)
+    assert buckets.prompt_shape_for(64) == (64, 64)
+    assert buckets.prompt_shape_for(150) == (192, 64)  # chunked: 3 chunks of the largest bucket
+    assert Buckets.from_dict(buckets.to_dict()) == buckets
+    with pytest.raises(Exception, match="must be below max_length"):
+        Buckets((1,), (64,), 64)
