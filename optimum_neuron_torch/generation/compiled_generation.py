@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -94,7 +95,7 @@ class CompiledGeneration:
     (and encoder bucket, for encoder-decoders), and the compiled forward every step goes through."""
 
     def __init__(self, model: PreTrainedModel, buckets: Buckets) -> None:
-        self.model = model
+        self._model = weakref.ref(model)  # the model holds this object: no cycle, so it frees on `del`
         self.buckets = buckets
         self.cache_keys: set[str] = set()  # compile-cache entries of this model's graphs
         self.active = False  # inside a compiled generate(): get_compiled_call() answers with `forward`
@@ -112,6 +113,10 @@ class CompiledGeneration:
         return len(self.buckets.batch_sizes) * (len(self.buckets.prompt_lengths) * per_prompt_bucket + 1)
 
     @property
+    def model(self) -> PreTrainedModel:
+        return self._model()
+
+    @property
     def _vocab_size(self) -> int:
         return self.model.get_input_embeddings().num_embeddings
 
@@ -126,10 +131,10 @@ class CompiledGeneration:
         one graph: standard strides (a chunk sliced from a longer prompt has others), and always a
         materialized attention mask (Transformers leaves it out of a prefill without padding)."""
         if self._compiled_forward is None:
-            self._compiled_forward = torch.compile(self.model.__call__, **COMPILE_CONFIG.to_dict())
+            self._compiled_forward = torch.compile(_call, **COMPILE_CONFIG.to_dict())
         if inputs.get("attention_mask") is None and not self.model.config.is_encoder_decoder:
             inputs["attention_mask"] = self._causal_mask(inputs["input_ids"], inputs["cache"], inputs.get("position_ids"))
-        return self._compiled_forward(**{name: _dense(value) for name, value in inputs.items()})
+        return self._compiled_forward(self.model, **{name: _dense(value) for name, value in inputs.items()})
 
     def _causal_mask(self, input_ids: torch.Tensor, cache: StaticCache, position_ids: torch.Tensor | None) -> Any:
         """The masks Transformers' generate() builds for a compiled forward, for a sequence without
@@ -148,8 +153,8 @@ class CompiledGeneration:
 
     def _encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> BaseModelOutput:
         if self._compiled_encoder is None:
-            self._compiled_encoder = torch.compile(self.model.get_encoder().__call__, **COMPILE_CONFIG.to_dict())
-        return self._compiled_encoder(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
+            self._compiled_encoder = torch.compile(_call, **COMPILE_CONFIG.to_dict())
+        return self._compiled_encoder(self.model.get_encoder(), input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
 
     def _cache(self, batch: int, encoder_length: int) -> StaticCache | EncoderDecoderCache:
         """The static cache of a batch bucket (and encoder bucket), allocated once, emptied per call."""
@@ -309,6 +314,12 @@ class CompiledGeneration:
         for batch, length in tqdm(combinations, desc="Compiling neuron graphs", disable=not show_progress):
             ids = torch.full((batch, length), token, dtype=torch.long, device=self.model.device)
             self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2, do_sample=False)
+
+
+def _call(module: torch.nn.Module, **inputs: Any) -> Any:
+    """What gets compiled: a call of the module, which it takes as an argument so that the compiled
+    function holds no reference to the model (the model holds it)."""
+    return module(**inputs)
 
 
 def _dense(value: Any) -> Any:
