@@ -10,6 +10,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,11 @@ import torch
 from .. import __version__
 from ..device import backend_info
 from ..device.reference.build import compiler_version
+from . import stablehlo
 
 GRAPH_FILE = "graph.bin"
 KERNELS_DIR = "kernels"
+STABLEHLO_FILE = "graph.stablehlo.mlir"
 
 
 @functools.cache
@@ -71,7 +74,22 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
             options={"config_patches": options} if options else None,
         )
     (folder / GRAPH_FILE).write_bytes(compiled.serialize())
-    return {"compile_seconds": round(time.perf_counter() - start, 3)}
+    metadata: dict[str, Any] = {"compile_seconds": round(time.perf_counter() - start, 3)}
+    if stablehlo.available():
+        metadata["stablehlo"] = _lower_to_stablehlo(gm, example_inputs, folder)
+    return metadata
+
+
+def _lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Path) -> str:
+    """Writes the graph's StableHLO next to it; returns "ok", or the error (with a warning)."""
+    try:
+        (folder / STABLEHLO_FILE).write_text(stablehlo.lower(gm, example_inputs))
+        return "ok"
+    except Exception as error:  # any failure of the check is its result, never a failed compile
+        message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        warnings.warn(f"This graph does not lower to StableHLO, so TorchNeuron could not compile it ({message}). "
+                      "It runs on the reference device.", stacklevel=2)
+        return message
 
 
 def load(folder: Path) -> Callable[..., Any]:

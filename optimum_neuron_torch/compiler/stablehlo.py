@@ -1,0 +1,54 @@
+"""The StableHLO lowering check: the graph the backend compiles, lowered with Torch-MLIR to the
+StableHLO that TorchNeuron's compiler receives, and kept as text with the compiled graph.
+
+Optional: it runs when the `stablehlo` extra (a pinned torch-mlir) is installed. A graph that does
+not lower is reported (TorchNeuron would fail to compile it); it still runs on the reference device.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+
+def available() -> bool:
+    """Whether Torch-MLIR is installed."""
+    return importlib.util.find_spec("torch_mlir") is not None
+
+
+def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: torch.Tensor | None = None,
+                     dropout_p: float = 0.0, is_causal: bool = False, return_debug_mask: bool = False,
+                     scale: float | None = None) -> tuple[Any, ...]:
+    """The device's fused attention as the CPU flash kernel, which PyTorch decomposes to math ops
+    (Torch-MLIR has no lowering for the overrideable op itself)."""
+    output, logsumexp = aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_bias, scale=scale
+    )
+    seed = torch.zeros((), dtype=torch.long, device=query.device)
+    return output, logsumexp, None, None, query.shape[2], key.shape[2], seed, seed, None
+
+
+def lower(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str:
+    """The StableHLO text of `gm`: exported to a functional ATen graph (weights stay inputs, never
+    constants), with devices made host ones (StableHLO has none), then imported by Torch-MLIR."""
+    from torch._decomp import get_decompositions
+    from torch._functorch.aot_autograd import aot_export_module
+    from torch_mlir.extras.fx_decomp_util import get_decomposition_table
+    from torch_mlir.fx import stateless_fx_import
+
+    decompositions = {
+        **get_decomposition_table(),
+        **get_decompositions([aten._scaled_dot_product_flash_attention_for_cpu]),
+        aten._scaled_dot_product_fused_attention_overrideable.default: _fused_attention,
+    }
+    with torch._guards.tracing(None):
+        graph, _ = aot_export_module(gm, example_inputs, trace_joint=False, decompositions=decompositions)
+    for node in graph.graph.nodes:
+        if "device" in node.kwargs:
+            node.kwargs = {**node.kwargs, "device": torch.device("cpu")}
+    graph.recompile()
+    return str(stateless_fx_import(graph, output_type="stablehlo"))
