@@ -8,8 +8,9 @@ chunked prefill with the bucket as chunk size, then one decode step at a time. S
 one per (batch bucket, prompt bucket) plus one decode graph per batch bucket, whatever the prompt
 length or `max_new_tokens`. Encoder-decoders run a compiled encoder per (batch, prompt bucket) and
 a compiled decode step per (batch, prompt bucket); their first decoder step (one token, which
-fills the cross-attention cache) runs eagerly. What it cannot serve this way runs Transformers' eager `generate()`,
-with a warning once per reason.
+fills the cross-attention cache) runs eagerly, because Transformers' chunked prefill, the path
+that would compile it, slices the encoder's attention mask as if it were the decoder's. What it
+cannot serve this way runs Transformers' eager `generate()`, with a warning once per reason.
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ class CompiledGeneration:
         call_kwargs = self._padded_call(input_ids, config, shapes, kwargs)
         with self._serving():
             output = transformers_generate(generation_config=generation_config, **call_kwargs)
-        return self._unpad(output, shapes)
+        return self._unpad(output, shapes, input_ids.device)
 
     def _plan(self, input_ids: torch.Tensor | None, config: GenerationConfig, kwargs: dict[str, Any]) -> _Shapes | str:
         """The padded shapes of this call, or why it cannot run compiled."""
@@ -235,7 +236,9 @@ class CompiledGeneration:
         attention_mask = kwargs.pop("attention_mask", None)
         if attention_mask is None:
             attention_mask = _default_attention_mask(input_ids, config)
-        device = self.model.device
+        # The loop's bookkeeping (logits processors, token selection, stopping) stays on the host:
+        # Transformers moves only the model inputs to the device, and the logits back, each step.
+        device = torch.device("cpu")
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         if config.num_return_sequences and config.num_return_sequences > 1:
             input_ids = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
@@ -253,7 +256,7 @@ class CompiledGeneration:
         if self.model.config.is_encoder_decoder:  # the encoder is padded on the right: its positions stay the same
             input_ids = torch.cat([input_ids, id_padding], dim=1)
             attention_mask = torch.cat([attention_mask, mask_padding], dim=1)
-            kwargs["encoder_outputs"] = self._encode(input_ids, attention_mask)
+            kwargs["encoder_outputs"] = self._encode(input_ids.to(self.model.device), attention_mask.to(self.model.device))
         else:  # decoders are padded on the left, as Transformers pads batches for generation
             input_ids = torch.cat([id_padding, input_ids], dim=1)
             attention_mask = torch.cat([mask_padding, attention_mask], dim=1)
@@ -272,15 +275,16 @@ class CompiledGeneration:
             "compile_config": COMPILE_CONFIG,
         }
 
-    def _unpad(self, output: Any, shapes: _Shapes) -> Any:
-        """The output of the padded call as the unpadded call would have returned it."""
+    def _unpad(self, output: Any, shapes: _Shapes, device: torch.device) -> Any:
+        """The output of the padded call as the unpadded call would have returned it, on the
+        device of the input ids."""
         columns = 0 if self.model.config.is_encoder_decoder else shapes.padded - shapes.prompt
         if isinstance(output, torch.Tensor):
-            return output[: shapes.rows, columns:]
-        output.sequences = output.sequences[: shapes.rows, columns:]
+            return output[: shapes.rows, columns:].to(device)
+        output.sequences = output.sequences[: shapes.rows, columns:].to(device)
         for name in ("scores", "logits"):
             if getattr(output, name, None) is not None:
-                setattr(output, name, tuple(step[: shapes.rows] for step in getattr(output, name)))
+                setattr(output, name, tuple(step[: shapes.rows].to(device) for step in getattr(output, name)))
         if isinstance(output, ModelOutput) and "cache" in output:
             output.cache = None  # the static cache is the model's, reused by the next call
         return output
@@ -325,7 +329,13 @@ def _call(module: torch.nn.Module, **inputs: Any) -> Any:
 def _dense(value: Any) -> Any:
     """`value` with the strides of a new contiguous tensor (Dynamo guards on strides, even those
     of size-1 dimensions that `contiguous()` leaves as they are)."""
-    if isinstance(value, torch.Tensor) and value.stride() != torch.empty(value.shape, device="meta").stride():
+    if not isinstance(value, torch.Tensor):
+        return value
+    expected, stride = [], 1
+    for size in reversed(value.shape):
+        expected.append(stride)
+        stride *= max(size, 1)
+    if value.stride() != tuple(reversed(expected)):
         return value.clone(memory_format=torch.contiguous_format)
     return value
 
