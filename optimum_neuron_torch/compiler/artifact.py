@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 import platform
 import sys
@@ -31,7 +32,6 @@ STABLEHLO_FILE = "graph.stablehlo.mlir"
 def environment() -> dict[str, str]:
     """Everything a compiled graph depends on besides the graph itself."""
     from torch._inductor.cpp_builder import get_cpp_compiler
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     return {
         "optimum_neuron_torch": __version__,
@@ -39,9 +39,19 @@ def environment() -> dict[str, str]:
         "backend": backend_info().name,
         "python": platform.python_version(),
         "compiler": compiler_version(get_cpp_compiler()),
-        "cpu": f"{platform.machine()} {pick_vec_isa()} {torch.backends.cpu.get_cpu_capability()}",
+        "cpu": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()} flags {_cpu_flags_digest()}",
         "platform": sys.platform,
     }
+
+
+def _cpu_flags_digest() -> str:
+    """A short hash of the CPU's feature flags (what generated kernels may use), from /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = platform.processor()
+    return hashlib.sha256(" ".join(sorted(flags.split(":", 1)[-1].split())).encode()).hexdigest()[:12]
 
 
 @contextlib.contextmanager
