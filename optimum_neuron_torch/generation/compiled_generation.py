@@ -97,6 +97,7 @@ class CompiledGeneration:
 
     def __init__(self, model: PreTrainedModel, buckets: Buckets) -> None:
         self._model = weakref.ref(model)  # the model holds this object: no cycle, so it frees on `del`
+        self.encoder_decoder: bool = model.config.is_encoder_decoder
         self.buckets = buckets
         self.cache_keys: set[str] = set()  # compile-cache entries of this model's graphs
         self.active = False  # inside a compiled generate(): get_compiled_call() answers with `forward`
@@ -110,7 +111,7 @@ class CompiledGeneration:
         """The most graphs this bucket set can need (Dynamo's recompile limit is raised to it): per
         batch bucket, a prefill per prompt bucket and a decode step; for encoder-decoders, an
         encoder and a decode step per encoder bucket."""
-        per_prompt_bucket = 2 if self.model.config.is_encoder_decoder else 1
+        per_prompt_bucket = 2 if self.encoder_decoder else 1
         return len(self.buckets.batch_sizes) * (len(self.buckets.prompt_lengths) * per_prompt_bucket + 1)
 
     @property
@@ -133,7 +134,7 @@ class CompiledGeneration:
         materialized attention mask (Transformers leaves it out of a prefill without padding)."""
         if self._compiled_forward is None:
             self._compiled_forward = torch.compile(_call, **COMPILE_CONFIG.to_dict())
-        if inputs.get("attention_mask") is None and not self.model.config.is_encoder_decoder:
+        if inputs.get("attention_mask") is None and not self.encoder_decoder:
             inputs["attention_mask"] = self._causal_mask(inputs["input_ids"], inputs["cache"], inputs.get("position_ids"))
         return self._compiled_forward(self.model, **{name: _dense(value) for name, value in inputs.items()})
 
@@ -164,7 +165,7 @@ class CompiledGeneration:
             model = self.model
             config = model.config.get_text_config(decoder=True)
             num_heads, head_dim = model._get_static_cache_init_shape()
-            lengths = [self.buckets.max_length] + ([encoder_length] if model.config.is_encoder_decoder else [])
+            lengths = [self.buckets.max_length] + ([encoder_length] if self.encoder_decoder else [])
             caches = [StaticCache(config=config, max_cache_len=length) for length in lengths]
             for cache, length in zip(caches, lengths):
                 # Sliding-window layers branch on a Python int that Dynamo specializes on (a new graph
@@ -216,7 +217,7 @@ class CompiledGeneration:
         prompt = input_ids.shape[1]
         new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt
         min_new_tokens = config.min_new_tokens if config.min_new_tokens is not None else max(config.min_length - prompt, 0)
-        if self.model.config.is_encoder_decoder:
+        if self.encoder_decoder:
             padded = chunk = next((length for length in self.buckets.prompt_lengths if length >= prompt), 0)
             needed = new_tokens + 1
             if not padded:
@@ -253,7 +254,7 @@ class CompiledGeneration:
         pad_id = _pad_token_id(config, self._vocab_size)
         id_padding = torch.full((shapes.batch, pad), pad_id, dtype=input_ids.dtype, device=device)
         mask_padding = torch.zeros((shapes.batch, pad), dtype=attention_mask.dtype, device=device)
-        if self.model.config.is_encoder_decoder:  # the encoder is padded on the right: its positions stay the same
+        if self.encoder_decoder:  # the encoder is padded on the right: its positions stay the same
             input_ids = torch.cat([input_ids, id_padding], dim=1)
             attention_mask = torch.cat([attention_mask, mask_padding], dim=1)
             kwargs["encoder_outputs"] = self._encode(input_ids.to(self.model.device), attention_mask.to(self.model.device))
@@ -267,7 +268,7 @@ class CompiledGeneration:
             **kwargs,
             "input_ids": input_ids,
             "attention_mask": attention_mask,
-            "cache": self._cache(shapes.batch, shapes.padded if self.model.config.is_encoder_decoder else 0),
+            "cache": self._cache(shapes.batch, shapes.padded if self.encoder_decoder else 0),
             "max_new_tokens": shapes.new_tokens,
             "min_new_tokens": shapes.min_new_tokens,
             "num_return_sequences": 1,
@@ -278,7 +279,7 @@ class CompiledGeneration:
     def _unpad(self, output: Any, shapes: _Shapes, device: torch.device) -> Any:
         """The output of the padded call as the unpadded call would have returned it, on the
         device of the input ids."""
-        columns = 0 if self.model.config.is_encoder_decoder else shapes.padded - shapes.prompt
+        columns = 0 if self.encoder_decoder else shapes.padded - shapes.prompt
         if isinstance(output, torch.Tensor):
             return output[: shapes.rows, columns:].to(device)
         output.sequences = output.sequences[: shapes.rows, columns:].to(device)
