@@ -148,7 +148,12 @@ class CompileCache:
     def add(self, source: Path) -> Entry:
         """Copies an entry folder (e.g. one shipped with a saved model) into the cache."""
         metadata = json.loads((Path(source) / METADATA).read_text())
-        entry, _ = self.get_or_build(metadata["key"], lambda folder: _copy_entry(Path(source), folder))
+
+        def copy(folder: Path) -> dict[str, Any]:
+            shutil.copytree(source, folder, dirs_exist_ok=True)
+            return {name: value for name, value in metadata.items() if name not in ("key", "created")}
+
+        entry, _ = self.get_or_build(metadata["key"], copy)
         return entry
 
     def entries(self) -> Iterator[Entry]:
@@ -165,8 +170,3 @@ class CompileCache:
         shutil.rmtree(self.root / "tmp", ignore_errors=True)
         return removed
 
-
-def _copy_entry(source: Path, folder: Path) -> dict[str, Any]:
-    shutil.copytree(source, folder, dirs_exist_ok=True)
-    metadata = json.loads((folder / METADATA).read_text())
-    return {name: value for name, value in metadata.items() if name not in ("key", "created")}
