@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 from transformers import CompileConfig, GenerationConfig, PreTrainedModel
 
+from ..fallbacks.generation_ops import native_generation_ops
 from .buckets import Buckets
 from .compiled_generation import CompiledGeneration
 from .saving import restore, save
@@ -24,8 +25,9 @@ class NeuronGenerationMixin:
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs: Any) -> Any:
         """Transformers' `generate()`, run on compiled static-shape graphs (see
-        `optimum_neuron_torch.generation`)."""
-        return self.neuron_generation.generate(super().generate, inputs, generation_config, **kwargs)
+        `optimum_neuron_torch.generation`); its decoding ops run natively on the device."""
+        with native_generation_ops():
+            return self.neuron_generation.generate(super().generate, inputs, generation_config, **kwargs)
 
     def precompile(self, batch_sizes: tuple[int, ...] | None = None, prompt_buckets: tuple[int, ...] | None = None,
                    max_length: int | None = None, show_progress: bool = True) -> None:

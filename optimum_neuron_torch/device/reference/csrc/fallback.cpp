@@ -97,9 +97,10 @@ bool admit(OpEntry& entry) {
   const auto mode = static_cast<FallbackMode>(g_mode.load(std::memory_order_relaxed));
   TORCH_CHECK_NOT_IMPLEMENTED(
       mode != FallbackMode::Error, "Operator '", entry.name,
-      "' fell back to CPU, and OPTIMUM_NEURON_TORCH_FALLBACK=error forbids fallbacks: TorchNeuron "
-      "has no native kernel for it (support profile 'torchneuron'). Rewrite the call with native ops, "
-      "or set OPTIMUM_NEURON_TORCH_FALLBACK=warn to let it run on the CPU.");
+      "' fell back to CPU, and the fallback policy 'error' (OPTIMUM_NEURON_TORCH_FALLBACK=error or "
+      "optimum_neuron_torch.fallback_policy('error')) forbids fallbacks: TorchNeuron has no native kernel "
+      "for it (support profile 'torchneuron'). Rewrite the call with native ops, or use the policy 'warn' "
+      "to let it run on the CPU.");
   entry.calls.fetch_add(1, std::memory_order_relaxed);
   if (mode == FallbackMode::Warn && !entry.warned.exchange(true)) {
     TORCH_WARN("Operator '", entry.name, "' fell back to CPU (TorchNeuron has no native kernel for it; "

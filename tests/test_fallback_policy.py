@@ -1,0 +1,155 @@
+"""The fallback policy (warn / error / silent), exact counters, and native decoding ops."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+import optimum_neuron_torch as ont
+from conftest import run_python
+from optimum_neuron_torch.errors import ConfigurationError
+from tiny_models import TINY_MODELS
+
+
+class Head(torch.nn.Module):
+    """Two argmax and one cumprod per call: neither is native on TorchNeuron."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.argmax(-1) + x.argmax(0).sum() + x.cumprod(-1).sum().long()
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 5)
+        self.head = Head()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.linear(x))
+
+
+@pytest.fixture
+def net():
+    torch.manual_seed(0)
+    return Net().to("neuron"), torch.randn(3, 5).to("neuron")
+
+
+def test_policy_is_scoped_and_validated():
+    assert ont.get_fallback_policy() == "warn"
+    with ont.fallback_policy("silent"):
+        assert ont.get_fallback_policy() == "silent"
+        with ont.fallback_policy("error"):
+            assert ont.get_fallback_policy() == "error"
+        assert ont.get_fallback_policy() == "silent"
+    assert ont.get_fallback_policy() == "warn"
+    with pytest.raises(ConfigurationError, match="unknown fallback policy 'strict'.*warn, error, silent"):
+        ont.set_fallback_policy("strict")
+
+
+def test_counters_are_exact_for_known_op_counts(net):
+    model, x = net
+    ont.clear_op_tracking()
+    with ont.fallback_policy("silent"), warnings.catch_warnings():
+        warnings.simplefilter("error")  # silent: no warning at all
+        for _ in range(4):
+            model(x)
+    stats = ont.fallback_stats()
+    assert {op: s.calls for op, s in stats.items()} == {"aten::argmax.out": 8, "aten::cumprod.out": 4}
+    assert all(s.seconds > 0 for s in stats.values())
+
+
+def test_error_policy_names_op_module_and_setting(net):
+    model, x = net
+    with ont.fallback_policy("error"):
+        with pytest.raises(NotImplementedError) as caught:
+            model(x)
+        model.linear(x)  # native ops still run
+    message = str(caught.value)
+    assert "Operator 'aten::argmax.out' fell back to CPU" in message
+    assert "fallback policy 'error'" in message and "OPTIMUM_NEURON_TORCH_FALLBACK=error" in message
+    assert message.endswith("Called from module 'Net.head'.")
+    with ont.fallback_policy("silent"):
+        model(x)  # the policy restored, the model still works
+
+
+def test_error_policy_from_the_environment_names_the_module():
+    result = run_python(
+        """
+        import torch, optimum_neuron_torch
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Softmax(-1)).to("neuron")
+        class Pick(torch.nn.Module):
+            def forward(self, x):
+                return x.argmax()
+        model.append(Pick())
+        print(optimum_neuron_torch.get_fallback_policy())
+        try:
+            model(torch.ones(2, 3).to("neuron"))
+        except NotImplementedError as error:
+            print(str(error).split("Called from module ")[1])
+        """,
+        env={"OPTIMUM_NEURON_TORCH_FALLBACK": "error"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["error", "'Sequential.2'."]
+
+
+def test_decoding_kernels_match_cpu_and_are_removed_after_the_block():
+    torch.manual_seed(0)
+    x = torch.randn(4, 50)
+    x[0, 7] = x[0, 9] = x.max() + 1  # a tie: the first index wins
+    elements, stops = torch.randint(0, 20, (3, 8)), torch.tensor([2, 5, 11])
+    with ont.native_generation_ops(), ont.fallback_policy("error"):
+        d = x.to("neuron")
+        torch.testing.assert_close(d.argmax(-1).cpu(), x.argmax(-1))
+        torch.testing.assert_close(d.argmax(0, keepdim=True).cpu(), x.argmax(0, keepdim=True))
+        torch.testing.assert_close(d.argmax().cpu(), x.argmax())
+        assert d.argmax(-1)[0].item() == 7
+        for invert in (False, True):
+            found = torch.isin(elements.to("neuron"), stops.to("neuron"), invert=invert)
+            torch.testing.assert_close(found.cpu(), torch.isin(elements, stops, invert=invert))
+        values, indices = torch.sort(d[1:], descending=True, stable=True)
+        expected = torch.sort(x[1:], descending=True, stable=True)
+        torch.testing.assert_close((values.cpu(), indices.cpu()), tuple(expected))
+        torch.testing.assert_close(torch.sort(d, dim=0).values.cpu(), torch.sort(x, dim=0).values)
+    with ont.fallback_policy("error"), pytest.raises(NotImplementedError, match="argmax"):
+        x.to("neuron").argmax()
+
+
+@pytest.mark.parametrize("replacement", [False, True])
+def test_native_multinomial_samples_the_distribution(replacement):
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    with ont.native_generation_ops(), ont.fallback_policy("error"):
+        torch.manual_seed(0)
+        draws = torch.multinomial(probs.repeat(20000, 1).to("neuron"), 2 if replacement else 1, replacement).cpu()
+        torch.manual_seed(0)
+        again = torch.multinomial(probs.repeat(20000, 1).to("neuron"), 2 if replacement else 1, replacement).cpu()
+        distinct = torch.multinomial(probs.repeat(50, 1).to("neuron"), 3).cpu()
+    assert torch.equal(draws, again)  # reproducible under torch.manual_seed
+    frequencies = torch.bincount(draws.flatten(), minlength=4) / draws.numel()
+    torch.testing.assert_close(frequencies, probs, atol=0.015, rtol=0)
+    assert frequencies[1] == 0  # never a zero-probability token
+    assert all(len(set(row.tolist())) == 3 and 1 not in row.tolist() for row in distinct)
+
+
+def test_eager_generate_on_the_device_takes_no_fallback(tmp_path):
+    folder = TINY_MODELS["llama"].save(tmp_path / "llama")
+    cpu = LlamaForCausalLM.from_pretrained(folder).eval()
+    device = LlamaForCausalLM.from_pretrained(folder).eval().to("neuron")
+    ids = torch.randint(4, 128, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    inputs = {"input_ids": ids.to("neuron"), "attention_mask": mask.to("neuron"), "max_new_tokens": 8}
+    sampling = dict(do_sample=True, top_k=10, top_p=0.9, temperature=0.7, repetition_penalty=1.2)
+    ont.clear_op_tracking()
+    with ont.native_generation_ops(), ont.fallback_policy("error"):
+        greedy = device.generate(**inputs, do_sample=False)
+        sampled = []
+        for _ in range(2):
+            torch.manual_seed(3)
+            sampled.append(device.generate(**inputs, **sampling).cpu())
+    assert ont.fallback_ops() == []
+    assert torch.equal(greedy.cpu(), cpu.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
+    assert torch.equal(*sampled)
