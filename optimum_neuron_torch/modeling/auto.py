@@ -4,6 +4,7 @@ straight onto the `neuron` device and returns the plain Transformers model."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from ..fallbacks import apply_patches
 from ..generation import enable_compiled_generation
 from ..loading import load_pretrained
 
@@ -39,17 +41,21 @@ class _NeuronAutoMixin:
         cache_dir: str | os.PathLike[str] | None = None,
         local_files_only: bool = False,
         trust_remote_code: bool = False,
+        patches: bool | Iterable[str] = True,
         **config_kwargs: Any,
     ) -> PreTrainedModel:
         """Loads the model for `pretrained_model_name_or_path` (a Hub id or a local folder) onto
-        `device`, in eval mode. `dtype` defaults to the checkpoint's ("auto"). Other keyword
-        arguments update the config, except `allow_pickle` (load `pytorch_model.bin` with
-        `weights_only=True`), `ignore_mismatched_sizes` and `attn_implementation`."""
+        `device`, in eval mode. `dtype` defaults to the checkpoint's ("auto"). `patches` applies the
+        model patches the architecture needs (True: all that apply; an iterable: those named among
+        them; False: none), listed on `model.neuron_patches` (see optimum_neuron_torch.fallbacks).
+        Other keyword arguments update the config, except `allow_pickle` (load `pytorch_model.bin`
+        with `weights_only=True`), `ignore_mismatched_sizes` and `attn_implementation`."""
         model = load_pretrained(
             cls, pretrained_model_name_or_path, revision=revision, dtype=dtype, device=device, token=token,
             cache_dir=cache_dir, local_files_only=local_files_only, trust_remote_code=trust_remote_code,
             **config_kwargs,
         )
+        apply_patches(model, None if patches is True else () if patches is False else patches)
         if cls.compiled_generation and model.device.type == "neuron":
             enable_compiled_generation(model, saved=model.neuron_checkpoint_folder)
         return model
