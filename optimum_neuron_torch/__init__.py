@@ -11,6 +11,15 @@ from .device.backend import activate as _activate  # noqa: E402
 
 _activate()
 
+from .check import check  # noqa: E402
+from .fallbacks import (  # noqa: E402
+    FallbackStats,
+    fallback_policy,
+    fallback_stats,
+    get_fallback_policy,
+    native_generation_ops,
+    set_fallback_policy,
+)
 from .modeling import (  # noqa: E402
     NeuronAutoModel,
     NeuronAutoModelForCausalLM,
@@ -23,6 +32,7 @@ from .modeling import (  # noqa: E402
 )
 
 __all__ = [
+    "FallbackStats",
     "NeuronAutoModel",
     "NeuronAutoModelForCausalLM",
     "NeuronAutoModelForMaskedLM",
@@ -32,8 +42,14 @@ __all__ = [
     "NeuronAutoModelForTokenClassification",
     "__version__",
     "backend_info",
+    "check",
     "clear_op_tracking",
     "embed",
     "executed_ops",
     "fallback_ops",
+    "fallback_policy",
+    "fallback_stats",
+    "get_fallback_policy",
+    "native_generation_ops",
+    "set_fallback_policy",
 ]

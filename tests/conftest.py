@@ -38,6 +38,12 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 30
     )
 
 
+def optimum_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Runs `optimum-cli neuron-torch ARGS` from this interpreter's environment."""
+    command = [os.path.join(os.path.dirname(sys.executable), "optimum-cli"), "neuron-torch", *args]
+    return subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout)
+
+
 def assert_same(device_value: torch.Tensor, cpu_value: torch.Tensor, **tolerances) -> None:
     assert device_value.device.type == "neuron"
     torch.testing.assert_close(device_value.cpu(), cpu_value, **tolerances)

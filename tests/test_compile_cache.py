@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_python
+from conftest import optimum_cli, run_python
 from optimum_neuron_torch.compiler.cache import CACHE_ENV, CompileCache
 from tiny_models import TINY_MODELS
 
@@ -133,10 +133,9 @@ def test_graphs_saved_in_another_environment_are_recompiled_with_a_message(saved
 
 def test_cli_lists_reports_and_clears_the_cache(saved_llama, tmp_path):
     result(generate_in_subprocess(saved_llama, tmp_path / "cache"))
-    env = {**os.environ, CACHE_ENV: str(tmp_path / "cache")}
 
     def cli(*args: str) -> str:
-        done = subprocess.run([str(Path(sys.executable).parent / "optimum-cli"), "neuron-torch", "cache", *args], capture_output=True, text=True, env=env, timeout=300)
+        done = optimum_cli("cache", *args, env={CACHE_ENV: str(tmp_path / "cache")})
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout
 

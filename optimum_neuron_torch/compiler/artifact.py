@@ -69,13 +69,18 @@ def _inductor_cache_in(folder: Path) -> Iterator[None]:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
 
 
-def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Path, options: dict[str, Any]) -> dict[str, Any]:
+def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Path, options: dict[str, Any],
+                 *, strict_lowering: bool = False) -> dict[str, Any]:
     """Compiles `gm` with Inductor's C++ code generation for the device into `folder`; returns
-    what the entry records about it."""
+    what the entry records about it. With `strict_lowering`, a graph that does not lower to
+    StableHLO raises `LoweringError` before anything is compiled (the backend then splits it)."""
     from torch._inductor import standalone_compile
 
     from .inductor_device import host_memory_codegen, register
 
+    metadata: dict[str, Any] = {}
+    if stablehlo.available():
+        metadata["stablehlo"] = _lower_to_stablehlo(gm, example_inputs, folder, strict_lowering)
     register()
     start = time.perf_counter()
     with host_memory_codegen(), _inductor_cache_in(folder / KERNELS_DIR):
@@ -84,19 +89,20 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
             options={"config_patches": options} if options else None,
         )
     (folder / GRAPH_FILE).write_bytes(compiled.serialize())
-    metadata: dict[str, Any] = {"compile_seconds": round(time.perf_counter() - start, 3)}
-    if stablehlo.available():
-        metadata["stablehlo"] = _lower_to_stablehlo(gm, example_inputs, folder)
+    metadata["compile_seconds"] = round(time.perf_counter() - start, 3)
     return metadata
 
 
-def _lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Path) -> str:
-    """Writes the graph's StableHLO next to it; returns "ok", or the error (with a warning)."""
+def _lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Path, strict: bool) -> str:
+    """Writes the graph's StableHLO next to it; returns "ok", or the error (with a warning, or
+    raised as `LoweringError` when `strict`)."""
     try:
         (folder / STABLEHLO_FILE).write_text(stablehlo.lower(gm, example_inputs))
         return "ok"
     except Exception as error:  # any failure of the check is its result, never a failed compile
         message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        if strict:
+            raise stablehlo.LoweringError(message) from error
         warnings.warn(f"This graph does not lower to StableHLO, so TorchNeuron could not compile it ({message}). "
                       "It runs on the reference device.", stacklevel=2)
         return message

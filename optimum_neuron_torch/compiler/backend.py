@@ -4,7 +4,8 @@ On TorchNeuron, TorchNeuron's own backend compiles (Torch-MLIR -> StableHLO -> N
 NEFF cache is in charge. On the reference device, Dynamo's graph goes through AOTAutograd to
 Inductor's C++ code generation on `neuron` tensors, and the result is kept in the persistent
 compile cache: a graph compiled once, by any process, is loaded rather than compiled again. Like
-TorchNeuron, it accepts static shapes only, and compiles every `mode` as the default one.
+TorchNeuron, it accepts static shapes only, and compiles every `mode` as the default one. A graph
+holding nodes TorchNeuron's compiler cannot take is split around them (see `partition`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Callable
 import torch
 
 from ..device import backend_info
-from . import artifact
+from . import artifact, partition, stablehlo
 from .cache import STATS, CompileCache, graph_key
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,20 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs
             f"{DYNAMIC_SHAPES_MESSAGE}. Compile with torch.compile(..., dynamic=False): every new input shape is "
             "then a new (cached) compile, as on Trainium."
         )
-    return compile_cached(gm, example_inputs, kwargs.pop("options", None) or {})
+    return _compile(gm, example_inputs, kwargs.pop("options", None) or {})
+
+
+def _compile(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]) -> Callable[..., Any]:
+    """The graph compiled whole when TorchNeuron's compiler can take all of it, else split around
+    the nodes it cannot take; compiled whole again (with the lowering warning) when no part is left."""
+    unsupported = partition.unsupported_by_construction(gm)
+    if not unsupported:
+        try:
+            return compile_cached(gm, example_inputs, options, strict_lowering=True)
+        except stablehlo.LoweringError:
+            unsupported = partition.failing_to_lower(gm)
+    pieces = partition.split(gm, unsupported, lambda piece, inputs: compile_cached(piece, inputs, options))
+    return pieces if pieces is not None else compile_cached(gm, example_inputs, options)
 
 
 _recorders: list[set[str]] = []
@@ -68,18 +82,23 @@ def recording_cache_keys() -> Iterator[set[str]]:
         _recorders.remove(keys)
 
 
-def compile_cached(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]) -> Callable[..., Any]:
-    """The compiled graph from the cache, compiled and stored first when it is not there."""
+def compile_cached(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any],
+                   *, strict_lowering: bool = False) -> Callable[..., Any]:
+    """The compiled graph from the cache, compiled and stored first when it is not there. With
+    `strict_lowering`, a graph known (or found) not to lower to StableHLO raises `LoweringError`."""
     environment = artifact.environment()
     key = graph_key(gm, example_inputs, environment, options)
     inputs = [list(value.shape) for value in example_inputs if isinstance(value, torch.Tensor)]
 
     def build(folder):
         logger.info("Compiling a graph for the neuron device (cache key %s)", key[:16])
-        return {"environment": environment, "input_shapes": inputs, **artifact.compile_into(gm, example_inputs, folder, options)}
+        compiled = artifact.compile_into(gm, example_inputs, folder, options, strict_lowering=strict_lowering)
+        return {"environment": environment, "input_shapes": inputs, **compiled}
 
     start = time.perf_counter()
     entry, built = CompileCache().get_or_build(key, build)
+    if strict_lowering and entry.metadata.get("stablehlo", "ok") != "ok":
+        raise stablehlo.LoweringError(entry.metadata["stablehlo"])
     compiled = artifact.load(entry.path)
     elapsed = time.perf_counter() - start
     if built:

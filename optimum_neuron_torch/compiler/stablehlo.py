@@ -15,6 +15,11 @@ import torch
 aten = torch.ops.aten
 
 
+class LoweringError(Exception):
+    """A graph does not lower to StableHLO, so TorchNeuron's compiler could not take it; the
+    message is Torch-MLIR's first diagnostic."""
+
+
 def available() -> bool:
     """Whether Torch-MLIR is installed."""
     return importlib.util.find_spec("torch_mlir") is not None
@@ -34,11 +39,17 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def lower(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str:
     """The StableHLO text of `gm`: exported to a functional ATen graph (weights stay inputs, never
-    constants), with devices made host ones (StableHLO has none), then imported by Torch-MLIR."""
+    constants), with devices made host ones (StableHLO has none), then imported by Torch-MLIR.
+    Raises `LoweringError` with Torch-MLIR's diagnostics (which it would print to stderr) when
+    Torch-MLIR fails."""
     from torch._decomp import get_decompositions
     from torch._functorch.aot_autograd import aot_export_module
+    from torch_mlir.compiler_utils import TorchMlirCompilerError
+    from torch_mlir.dialects import torch as torch_dialect
     from torch_mlir.extras.fx_decomp_util import get_decomposition_table
+    from torch_mlir.extras.fx_importer import FxImporter
     from torch_mlir.fx import stateless_fx_import
+    from torch_mlir.ir import Context
 
     decompositions = {
         **get_decomposition_table(),
@@ -51,4 +62,11 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str:
         if "device" in node.kwargs:
             node.kwargs = {**node.kwargs, "device": torch.device("cpu")}
     graph.recompile()
-    return str(stateless_fx_import(graph, output_type="stablehlo"))
+    context = Context()
+    torch_dialect.register_dialect(context)
+    diagnostics: list[str] = []
+    context.attach_diagnostic_handler(lambda diagnostic: diagnostics.append(diagnostic.message) or True)
+    try:
+        return str(stateless_fx_import(graph, output_type="stablehlo", fx_importer=FxImporter(context=context)))
+    except TorchMlirCompilerError as error:
+        raise LoweringError(diagnostics[0] if diagnostics else str(error).strip().splitlines()[0]) from error

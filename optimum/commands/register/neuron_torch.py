@@ -4,6 +4,9 @@ Kept light: argparse and optimum's command classes only. The library (torch, the
 imported inside `run`, so that `optimum-cli --help` stays fast.
 """
 
+import sys
+from argparse import ArgumentParser
+
 from optimum.commands.base import BaseOptimumCLICommand, CommandInfo
 
 
@@ -34,6 +37,25 @@ class CacheClearCommand(BaseOptimumCLICommand):
         clear_cache()
 
 
+class CheckCommand(BaseOptimumCLICommand):
+    COMMAND = CommandInfo(name="check", help="Report what a model hits on TorchNeuron: fallbacks, graph breaks, lowering, dtypes, patches.")
+
+    @staticmethod
+    def parse_args(parser: ArgumentParser) -> None:
+        parser.add_argument("model", help="A Hub model id or a local folder.")
+        parser.add_argument("--format", choices=("text", "json", "markdown"), default="text", help="Report format (default: text).")
+        parser.add_argument("--strict", action="store_true", help="Exit with status 1 when anything falls back.")
+        parser.add_argument("--no-patches", action="store_true", help="Check the model as it is, without the library's patches.")
+        parser.add_argument("--no-compile", action="store_true", help="Run the eager check only (no torch.compile).")
+        parser.add_argument("--sequence-length", type=int, default=16, help="Length of the random example input (default: 16).")
+
+    def run(self) -> None:
+        from optimum_neuron_torch.commands.check import run_check
+
+        sys.exit(run_check(self.args.model, self.args.format, self.args.strict, not self.args.no_patches,
+                           not self.args.no_compile, self.args.sequence_length))
+
+
 def _subcommand(command: type[BaseOptimumCLICommand]) -> CommandInfo:
     return CommandInfo(name=command.COMMAND.name, help=command.COMMAND.help, subcommand_class=command)
 
@@ -45,7 +67,7 @@ class CacheCommand(BaseOptimumCLICommand):
 
 class NeuronTorchCommand(BaseOptimumCLICommand):
     COMMAND = CommandInfo(name="neuron-torch", help="optimum-neuron-torch: Transformers on the PyTorch neuron device.")
-    SUBCOMMANDS = (_subcommand(CacheCommand),)
+    SUBCOMMANDS = (_subcommand(CacheCommand), _subcommand(CheckCommand))
 
 
 REGISTER_COMMANDS = [NeuronTorchCommand]

@@ -1,0 +1,252 @@
+"""`check(model_or_id)`: runs a model on the `neuron` device with TorchNeuron's support profile,
+eagerly and through `torch.compile(backend="neuron", fullgraph=True)`, and reports what it hits."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import os
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers import AutoConfig, PreTrainedModel
+
+from .. import modeling
+from ..compiler import CompileCache, recording_partitions, stablehlo
+from ..compiler.backend import recording_cache_keys
+from ..device import backend_info, clear_op_tracking
+from ..fallbacks import fallback_policy, fallback_stats
+from ..fallbacks.modules import ModuleStack, observing_modules
+from ..fallbacks.patches import PATCHES, patched, patches_for
+from .report import AppliedPatch, CompatibilityReport, DtypeUse, DynamicShapeOp, GraphBreak, OpFallback, UnloweredOp
+
+OUTSIDE_MODULES = "<outside any module>"
+
+# What TorchNeuron does with the dtypes it does not fully support.
+TREATMENTS = {
+    torch.float64: "narrowed to float32 (TorchNeuron computes no float64)",
+    torch.int64: "narrowed to int32 on TorchNeuron's compiled path (values beyond 2**31 overflow)",
+    torch.complex64: "not supported: TorchNeuron stores complex tensors but computes nothing on them",
+    torch.complex128: "not supported: TorchNeuron stores complex tensors but computes nothing on them",
+}
+SPARSE = "sparse"
+SPARSE_TREATMENT = "not supported: TorchNeuron has no sparse tensors"
+_LISTED = 4  # ops or modules named per dtype; the rest are counted
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records, with the module running them, ops that read or write a tensor of a watched dtype
+    (or layout) and ops whose output shape depends on the values (nonzero, boolean masks...)."""
+
+    def __init__(self, stack: ModuleStack) -> None:
+        super().__init__()
+        self.stack = stack
+        self.uses: dict[str, tuple[Counter, Counter]] = defaultdict(lambda: (Counter(), Counter()))
+        self.dynamic: dict[str, Counter] = defaultdict(Counter)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        output = func(*args, **(kwargs or {}))
+        module = self.stack.current or OUTSIDE_MODULES
+        if _dynamic_output_shape(func, args):
+            self.dynamic[func.name()][module] += 1
+        for value in tree_leaves((args, kwargs, output)):
+            if isinstance(value, torch.Tensor):
+                kind = SPARSE if value.layout != torch.strided else value.dtype if value.dtype in TREATMENTS else None
+                if kind is not None:
+                    ops, modules = self.uses[str(kind).removeprefix("torch.")]
+                    ops[func.name()] += 1
+                    modules[module] += 1
+        return output
+
+    def dtypes(self) -> list[DtypeUse]:
+        treatments = {str(dtype).removeprefix("torch."): text for dtype, text in TREATMENTS.items()} | {SPARSE: SPARSE_TREATMENT}
+        return [DtypeUse(kind, treatments[kind], _first(ops), _first(modules)) for kind, (ops, modules) in sorted(self.uses.items())]
+
+    def dynamic_shapes(self) -> list[DynamicShapeOp]:
+        return [DynamicShapeOp(op, sum(modules.values()), dict(modules)) for op, modules in sorted(self.dynamic.items())]
+
+
+def _dynamic_output_shape(func: torch._ops.OpOverload, args: tuple) -> bool:
+    """Whether the op's output shape depends on its input values (indexing only with a boolean mask)."""
+    if torch.Tag.dynamic_output_shape not in func.tags:
+        return False
+    if func is torch.ops.aten.index.Tensor:
+        return any(isinstance(index, torch.Tensor) and index.dtype == torch.bool for index in args[1])
+    return True
+
+
+def _first(counts: Counter) -> list[str]:
+    names = [name for name, _ in counts.most_common()]
+    return names[:_LISTED] + ([f"{len(names) - _LISTED} more"] if len(names) > _LISTED else [])
+
+
+@contextlib.contextmanager
+def _fallbacks_by_module() -> Iterator[tuple[Counter, ModuleStack]]:
+    """Counts fallback calls per (op, innermost calling module) inside the block; also yields the
+    module stack, for other recorders."""
+    counts: Counter = Counter()
+    seen = {op: stats.calls or 1 for op, stats in fallback_stats().items()}
+
+    def attribute(stack: ModuleStack | None) -> None:
+        for op, stats in fallback_stats().items():
+            calls = stats.calls or 1  # TorchNeuron tracks names only: one per newly seen op
+            if calls != seen.get(op, 0):
+                counts[(op, stack.current if stack and stack.current else OUTSIDE_MODULES)] += calls - seen.get(op, 0)
+                seen[op] = calls
+
+    with observing_modules(attribute, attribute) as stack:
+        yield counts, stack
+    attribute(None)
+
+
+def _eager_run(model: torch.nn.Module, inputs: dict[str, Any], report: CompatibilityReport) -> None:
+    """One forward with the fallback policy silent: what fell back, which dtypes and value-dependent
+    shapes it met, any error."""
+    clear_op_tracking()
+    error = None
+    with fallback_policy("silent"), _fallbacks_by_module() as (counts, stack), _OpRecorder(stack) as recorder:
+        try:
+            with torch.no_grad():
+                model(**inputs)
+        except Exception as exc:  # the report names the failure
+            error = f"{type(exc).__name__}: {_first_line(exc)}"
+    by_op: dict[str, dict[str, int]] = defaultdict(dict)
+    for (op, module), calls in counts.items():
+        by_op[op][module] = calls
+    stats = fallback_stats()
+    report.fallbacks = [OpFallback(op, stats[op].calls if op in stats else None, modules) for op, modules in sorted(by_op.items())]
+    report.dtypes, report.dynamic_shapes, report.eager_error = recorder.dtypes(), recorder.dynamic_shapes(), error
+
+
+def _first_line(error: BaseException | str) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def _location(stack: list | None) -> str:
+    """`file:line in function` of the innermost user frame, the path from its package on."""
+    if not stack:
+        return "unknown"
+    frame = stack[-1]
+    return f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno} in {frame.name}"
+
+
+def _compiled_run(model: torch.nn.Module, inputs: dict[str, Any], report: CompatibilityReport) -> None:
+    """Graph breaks (Dynamo's explain), then a `fullgraph=True` compile with the `neuron` backend:
+    the graphs it splits around ops the compiler cannot take, and StableHLO lowering."""
+    torch._dynamo.reset()
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(model)(**inputs)
+    report.graph_count = explanation.graph_count
+    breaks = Counter((_first_line(reason.reason), _location(reason.user_stack)) for reason in explanation.break_reasons)
+    report.graph_breaks = [GraphBreak(reason, location, count) for (reason, location), count in breaks.items()]
+    torch._dynamo.reset()
+    with recording_cache_keys() as keys, recording_partitions() as partitions, torch.no_grad():
+        try:
+            torch.compile(model, backend="neuron", fullgraph=not report.graph_breaks)(**inputs)
+        except Exception as error:  # the report names the failure (the backend's own, not Dynamo's wrapper)
+            error = getattr(error, "inner_exception", None) or error
+            report.compile_error = f"{type(error).__name__}: {_first_line(error)}"
+    torch._dynamo.reset()
+    for partition in partitions:
+        report.unlowered_ops += [UnloweredOp(node.op, node.reason) for node in partition.fallback_nodes]
+    if stablehlo.available():
+        statuses = [entry.metadata.get("stablehlo", "ok") for entry in map(CompileCache().get, sorted(keys)) if entry]
+        failed = [status for status in statuses if status != "ok"]
+        report.unlowered_ops += [UnloweredOp("graph", status) for status in failed]
+        report.stablehlo = f"{len(statuses) - len(failed)} of {len(statuses)} compiled graph(s) lower to StableHLO"
+
+
+def default_inputs(model: PreTrainedModel, sequence_length: int = 16) -> dict[str, Any]:
+    """Random token ids (batch 1) of `sequence_length`, the mask, and decoder ids for seq2seq."""
+    config = model.config.get_text_config()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(min(4, config.vocab_size - 1), config.vocab_size, (1, sequence_length), generator=generator)
+    inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if model.config.is_encoder_decoder:
+        inputs["decoder_input_ids"] = ids[:, : max(1, sequence_length // 2)]
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        inputs["use_cache"] = False
+    return inputs
+
+
+def _load(model_id: str | os.PathLike[str]) -> PreTrainedModel:
+    """The model for `model_id`, through the Neuron Auto class its architecture calls for, unpatched."""
+    config = AutoConfig.from_pretrained(model_id)
+    architecture = (config.architectures or [""])[0]
+    suffixes = [
+        ("ForCausalLM", modeling.NeuronAutoModelForCausalLM),
+        ("ForMaskedLM", modeling.NeuronAutoModelForMaskedLM),
+        ("ForSequenceClassification", modeling.NeuronAutoModelForSequenceClassification),
+        ("ForTokenClassification", modeling.NeuronAutoModelForTokenClassification),
+        ("ForQuestionAnswering", modeling.NeuronAutoModelForQuestionAnswering),
+        ("ForConditionalGeneration", modeling.NeuronAutoModelForSeq2SeqLM if config.is_encoder_decoder else None),
+    ]
+    auto_class = next((cls for suffix, cls in suffixes if cls and architecture.endswith(suffix)), modeling.NeuronAutoModel)
+    return auto_class.from_pretrained(model_id, patches=False)
+
+
+def _removed(before: list, after: list, key: str) -> list:
+    """The items of `before` whose `key` no longer appears in `after`."""
+    remaining = {getattr(item, key) for item in after}
+    return [item for item in before if getattr(item, key) not in remaining]
+
+
+@contextlib.contextmanager
+def _torchneuron_profile() -> Iterator[None]:
+    """The reference device's `torchneuron` support profile inside the block (on TorchNeuron, the
+    hardware decides)."""
+    if backend_info().name != "reference":
+        yield
+        return
+    from ..device import reference
+
+    previous = reference.state().profile
+    reference.set_profile("torchneuron")
+    try:
+        yield
+    finally:
+        reference.set_profile(previous)
+
+
+def check(model_or_id: torch.nn.Module | str | os.PathLike[str], example_inputs: dict[str, Any] | None = None, *,
+          sequence_length: int = 16, patches: bool = True, compile: bool = True) -> CompatibilityReport:
+    """What `model_or_id` (a model or any module, a Hub id or a local folder) hits on TorchNeuron:
+    ops that fall back, graph breaks, ops that do not lower to StableHLO, dtypes narrowed or
+    missing, the patches it needs (applied while checking when `patches`), and a verdict. Without `example_inputs`, the
+    model gets random token ids of `sequence_length`. A model given on the CPU is moved to the
+    `neuron` device; patches applied to it are reverted afterwards. A module that is not a
+    Transformers model needs `example_inputs` (keyword arguments of its forward)."""
+    by_name = isinstance(model_or_id, (str, os.PathLike))
+    model = _load(model_or_id) if by_name else model_or_id
+    model.to("neuron").eval()
+    inputs = example_inputs if example_inputs is not None else default_inputs(model, sequence_length)
+    inputs = {key: value.to("neuron") if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
+    info = backend_info()
+    report = CompatibilityReport(
+        model=str(model_or_id) if by_name else getattr(model, "name_or_path", "") or type(model).__name__,
+        architecture=type(model).__name__, backend=f"{info.name} {info.version}",
+        profile="torchneuron" if info.name == "reference" else info.profile,
+    )
+    with _torchneuron_profile(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # everything a warning would say is in the report
+        _eager_run(model, inputs, report)
+        needed = [patch.name for patch in patches_for(model)] if patches else []
+        with patched(model, needed):
+            if needed:
+                unpatched = dataclasses.replace(report)
+                report.patches = [AppliedPatch(name, PATCHES[name].description) for name in needed]
+                _eager_run(model, inputs, report)
+                report.unpatched_fallbacks = _removed(unpatched.fallbacks, report.fallbacks, "op")
+                report.unpatched_dtypes = _removed(unpatched.dtypes, report.dtypes, "dtype")
+                report.unpatched_dynamic_shapes = _removed(unpatched.dynamic_shapes, report.dynamic_shapes, "op")
+            if compile and report.eager_error is None:
+                _compiled_run(model, inputs, report)
+    report.decide()
+    return report

@@ -1,0 +1,251 @@
+"""Partitioning a compiled graph around the nodes TorchNeuron's compiler cannot take: the parts it
+can take are compiled (each one a cached graph with its own StableHLO), the rest runs eagerly on
+the device between them (through the device's counted fallback path where an op is not native),
+instead of the whole graph failing as it would on TorchNeuron.
+
+A node is unsupported when
+- TorchNeuron's compiler cannot take it by construction: a complex, sparse or float64 tensor goes
+  in or out, or a shape depends on data (nonzero, unique, masked_select...: Dynamo gives such
+  values unbacked symbolic sizes, which static-shape graphs cannot have);
+- with the `stablehlo` extra (torch-mlir): it does not lower to StableHLO. The backend lowers the
+  whole graph anyway; only when that fails is each distinct node lowered alone, to find the culprits.
+Without torch-mlir only the first rule applies: a graph that would not lower is compiled whole.
+
+The eager op list (`torchneuron_native_ops.txt`) is not the criterion: TorchNeuron's compiler
+lowers whatever Torch-MLIR lowers (`pow` in RMSNorm compiles, although no eager kernel exists).
+
+`OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT=1` refuses to split, as TorchNeuron 2.33 refuses to run
+such a graph (`TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION`): the backend raises naming the nodes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import os
+import re
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.fx.node import _get_qualified_name
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
+
+from ..errors import ConfigurationError, NeuronTorchError
+from . import stablehlo
+
+DISABLE_SPLIT_ENV = "OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT"
+PIECE_PREFIX = "compiled_piece_"
+
+
+class FallbackNode(NamedTuple):
+    """A node that runs eagerly between compiled pieces, and why TorchNeuron's compiler cannot take it."""
+
+    node: str
+    op: str
+    reason: str
+
+
+@dataclass
+class PartitionReport:
+    """How one graph was split: the compiled pieces, and the nodes that run eagerly between them."""
+
+    compiled_pieces: int
+    fallback_nodes: list[FallbackNode] = field(default_factory=list)
+
+    @property
+    def summary(self) -> str:
+        """One line naming each op once, with its reason."""
+        ops = list(dict.fromkeys(f"{node.op} ({node.reason})" for node in self.fallback_nodes))
+        count = len(self.fallback_nodes)
+        return (f"graph split into {self.compiled_pieces} compiled piece{'s' * (self.compiled_pieces != 1)} around "
+                f"{count} op{'s' * (count != 1)} TorchNeuron's compiler cannot take: {', '.join(ops)}")
+
+
+class UnsupportedGraphError(NeuronTorchError):
+    """The graph holds nodes TorchNeuron's compiler cannot take, and splitting it is disabled."""
+
+
+_recorders: list[list[PartitionReport]] = []
+
+
+@contextlib.contextmanager
+def recording_partitions() -> Iterator[list[PartitionReport]]:
+    """Collects the reports of the graphs split inside the block."""
+    reports: list[PartitionReport] = []
+    _recorders.append(reports)
+    try:
+        yield reports
+    finally:
+        _recorders.remove(reports)
+
+
+def _value(node: torch.fx.Node) -> Any:
+    """The fake value Dynamo (`example_value`) or AOTAutograd (`val`) recorded for `node`."""
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a (possibly nested) value."""
+    return [item for item in torch.utils._pytree.tree_leaves(value) if isinstance(item, torch.Tensor)]
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    """What `node` calls, as a user finds it in PyTorch (`torch._C._special.special_zeta`, `Tensor.abs`)."""
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    return _get_qualified_name(node.target) if callable(node.target) else str(node.target)
+
+
+def _computes(node: torch.fx.Node) -> bool:
+    """Whether `node` calls something (the nodes a partition can hold)."""
+    return node.op in ("call_function", "call_method", "call_module")
+
+
+def _construction_reason(node: torch.fx.Node) -> str | None:
+    """Why TorchNeuron's compiler cannot take `node` whatever it lowers to, or None."""
+    inputs = [_value(arg) for arg in node.all_input_nodes]
+    output = _value(node)
+    for tensor in _tensors([output, inputs]):
+        if tensor.is_complex():
+            return "complex dtype"
+        if tensor.dtype == torch.float64:
+            return "float64 dtype"
+        if tensor.layout != torch.strided:
+            return f"{str(tensor.layout).removeprefix('torch.')} layout"
+    if free_unbacked_symbols(output):
+        return "data-dependent output shape"
+    if free_unbacked_symbols(inputs):
+        return "input of data-dependent shape"
+    return None
+
+
+def unsupported_by_construction(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
+    """The nodes TorchNeuron's compiler cannot take by construction, with the reason for each: a
+    scan of the recorded fake values, cheap enough for every graph."""
+    reasons = {node: _construction_reason(node) for node in gm.graph.nodes if _computes(node)}
+    return {node: reason for node, reason in reasons.items() if reason is not None}
+
+
+def _lowering_failure(error: stablehlo.LoweringError) -> str:
+    """A short reason from Torch-MLIR's diagnostic: the op it could not legalize, else the diagnostic."""
+    op = re.search(r'name = "torch\.(\w+\.[\w.]+)"', str(error))
+    return f"no StableHLO lowering for {op.group(1)}" if op else f"no StableHLO lowering (Torch-MLIR: {str(error)[:160]})"
+
+
+_lowering_verdicts: dict[str, str | None] = {}
+
+
+def _alone(node: torch.fx.Node) -> tuple[torch.fx.GraphModule, list[torch.Tensor]] | None:
+    """`node` as a one-node graph with its inputs' fake values as example inputs (no memory, same
+    devices), or None when its inputs or outputs are not all tensors (such a node follows the
+    pieces around it)."""
+    inputs = node.all_input_nodes
+    if node.op == "call_module" or not all(isinstance(_value(arg), torch.Tensor) for arg in inputs):
+        return None
+    output = _value(node)
+    several = isinstance(output, (tuple, list))
+    outputs = list(output) if several else [output]
+    if not outputs or not all(isinstance(item, torch.Tensor) for item in outputs):
+        return None
+    graph = torch.fx.Graph()
+    placeholders = {arg: graph.placeholder(arg.name) for arg in inputs}
+    copy = graph.node_copy(node, placeholders.__getitem__)
+    graph.output(tuple(graph.call_function(operator.getitem, (copy, i)) for i in range(len(outputs))) if several else (copy,))
+    return torch.fx.GraphModule({}, graph), [_value(arg) for arg in inputs]
+
+
+def _lowering_reason(node: torch.fx.Node) -> str | None:
+    """Why `node` alone does not lower to StableHLO, or None; memoized per op, arguments and input
+    shapes, dtypes and devices."""
+    def describe(arg: torch.fx.Node) -> str:
+        value = _value(arg)
+        if isinstance(value, torch.Tensor):
+            return f"{tuple(value.shape)}:{value.dtype}:{value.device}"
+        return type(value).__name__
+
+    signature = f"{node.op} {_op_name(node)} {torch.fx.map_arg((node.args, node.kwargs), describe)!r}"
+    if signature not in _lowering_verdicts:
+        alone = _alone(node)
+        try:
+            if alone is not None:
+                stablehlo.lower(*alone)
+            _lowering_verdicts[signature] = None
+        except stablehlo.LoweringError as error:  # Torch-MLIR's verdict; other failures say nothing about the op
+            _lowering_verdicts[signature] = _lowering_failure(error)
+    return _lowering_verdicts[signature]
+
+
+def failing_to_lower(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
+    """The nodes of a graph that did not lower which do not lower alone either, with the reason for
+    each (needs torch-mlir)."""
+    reasons = {node: _lowering_reason(node) for node in gm.graph.nodes if _computes(node)}
+    return {node: reason for node, reason in reasons.items() if reason is not None}
+
+
+def _splitting_disabled() -> bool:
+    """Whether `OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT` asks the backend to refuse splitting."""
+    text = os.environ.get(DISABLE_SPLIT_ENV, "0").strip().lower()
+    if text not in ("0", "1", "true", "false", ""):
+        raise ConfigurationError(f"{DISABLE_SPLIT_ENV}={text!r} must be 0 or 1.")
+    return text in ("1", "true")
+
+
+class _Supported(OperatorSupportBase):
+    """The operator support the fx partitioner asks: every computing node not found unsupported."""
+
+    def __init__(self, unsupported: dict[torch.fx.Node, str]) -> None:
+        self.unsupported = unsupported
+
+    def is_node_supported(self, submodules: Any, node: torch.fx.Node) -> bool:
+        return _computes(node) and node not in self.unsupported
+
+
+class CompiledPiece(torch.nn.Module):
+    """A compiled supported part of a split graph, called in its parent graph like the submodule it replaces."""
+
+    def __init__(self, compiled: Callable[..., Any]) -> None:
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.compiled(*inputs)
+
+
+def split(gm: torch.fx.GraphModule, unsupported: dict[torch.fx.Node, str],
+          compile_piece: Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]) -> torch.fx.GraphModule | None:
+    """`gm` with each supported part fused into a submodule compiled by `compile_piece(piece,
+    example_inputs)` and the unsupported nodes left to run eagerly; None when there is nothing
+    to split at or no part to compile. Raises `UnsupportedGraphError` when splitting is disabled."""
+    fallback = [FallbackNode(node.name, _op_name(node), reason) for node, reason in unsupported.items()]
+    if not fallback:
+        return None
+    if _splitting_disabled():
+        listed = "; ".join(f"node {item.node} ({item.op}): {item.reason}" for item in fallback)
+        raise UnsupportedGraphError(
+            f"This graph holds {len(fallback)} node(s) TorchNeuron's compiler cannot take, and {DISABLE_SPLIT_ENV}=1 "
+            f"refuses to split it: {listed}. Rewrite or patch the model around these ops, keep them out of the "
+            f"compiled region, or unset {DISABLE_SPLIT_ENV} to run them eagerly between compiled pieces."
+        )
+    partitioner = CapabilityBasedPartitioner(gm, _Supported(unsupported), allows_single_node_partition=True)
+    order = {node: index for index, node in enumerate(gm.graph.nodes)}
+    partitions = sorted(partitioner.propose_partitions(), key=lambda partition: min(map(order.get, partition.nodes)))
+    if not partitions:
+        return None
+    parent = fuse_by_partitions(gm, [partition.nodes for partition in partitions], prefix=PIECE_PREFIX,
+                                always_return_tuple=True)  # compiled graphs return their outputs as a list
+    for node in parent.graph.find_nodes(op="call_module"):
+        if node.target.startswith(PIECE_PREFIX):
+            piece = getattr(parent, node.target)
+            setattr(parent, node.target, CompiledPiece(compile_piece(piece, [_value(arg) for arg in node.args])))
+    report = PartitionReport(len(partitions), fallback)
+    warnings.warn(f"{report.summary}. They run eagerly on the device; {DISABLE_SPLIT_ENV}=1 makes this an error.",
+                  stacklevel=2)
+    for reports in _recorders:
+        reports.append(report)
+    return parent

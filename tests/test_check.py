@@ -1,0 +1,139 @@
+"""The compatibility report, on tiny models whose content is known: what it finds, the patches that
+fix it, the verdict, the three renderings, and `optimum-cli neuron-torch check`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import optimum_neuron_torch as ont
+from conftest import optimum_cli
+from optimum_neuron_torch.check import BLOCKED, NEEDS_PATCHES, RUNS_NATIVELY, RUNS_WITH_FALLBACKS
+from test_patches import CASES
+from tiny_models import TINY_MODELS
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*float64 in .* is computed in float32:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("check")
+    return {name: TINY_MODELS[name].save(root / name) for name in ("llama", "gpt2", "bert", "bart", "t5")}
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert", "bart"])
+def test_plain_architectures_run_natively(folders, name):
+    report = ont.check(str(folders[name]))
+    assert report.verdict == RUNS_NATIVELY, report.render()
+    assert report.fallbacks == [] and report.graph_breaks == [] and report.unlowered_ops == []
+    assert report.graph_count == 1 and report.compile_error is None
+    assert report.stablehlo == "1 of 1 compiled graph(s) lower to StableHLO"
+    assert [use.dtype for use in report.dtypes] == ["int64"]  # token ids: narrowed to int32 on TorchNeuron
+    assert report.patches == [] and report.dynamic_shapes == []
+
+
+def test_t5_relative_position_buckets_fall_back(folders):
+    report = ont.check(str(folders["t5"]))
+    assert report.verdict == RUNS_WITH_FALLBACKS and report.falls_back
+    [fallback] = report.fallbacks
+    assert fallback.op == "aten::minimum.out"  # torch.min(bucket, max) in T5's relative position bucket
+    assert set(fallback.modules) == {
+        "T5ForConditionalGeneration.encoder.block.0.layer.0.SelfAttention",  # only block 0 computes the bias
+        "T5ForConditionalGeneration.decoder.block.0.layer.0.SelfAttention",
+    }
+    assert fallback.calls == sum(fallback.modules.values())
+    assert report.graph_breaks == [] and report.graph_count == 1  # compiled, the op lowers fine
+
+
+def test_complex_rope_is_reported_then_fixed_by_its_patch():
+    model = CASES["llama4"].build()
+    unpatched = ont.check(model, patches=False, compile=False)
+    assert unpatched.verdict == BLOCKED
+    [complex_use] = [use for use in unpatched.dtypes if use.dtype == "complex64"]
+    assert "aten::view_as_complex" in complex_use.ops
+    assert {"Llama4ForCausalLM.model.rotary_emb", "Llama4ForCausalLM.model.layers.0.self_attn"} <= set(complex_use.modules)
+
+    report = ont.check(model)
+    assert report.verdict == NEEDS_PATCHES
+    assert [patch.name for patch in report.patches] == ["complex_rope"]
+    assert [use.dtype for use in report.unpatched_dtypes] == ["complex64"]
+    assert all(not use.dtype.startswith("complex") for use in report.dtypes)
+    assert report.graph_breaks == [] and report.unlowered_ops == [] and report.compile_error is None
+    assert getattr(model, "neuron_patches", []) == []  # the check reverted its patch
+
+
+def test_nonzero_routing_is_reported_then_fixed_by_its_patch():
+    model = CASES["mixtral"].build()  # experts_implementation="eager": the nonzero loop
+    unpatched = ont.check(model, patches=False)
+    assert unpatched.verdict == RUNS_WITH_FALLBACKS
+    [nonzero] = unpatched.dynamic_shapes
+    assert nonzero.op == "aten::nonzero"
+    assert set(nonzero.modules) == {f"MixtralForCausalLM.model.layers.{i}.mlp.experts" for i in range(2)}
+    assert unpatched.graph_breaks and all("Dynamic shape operator" in item.reason for item in unpatched.graph_breaks)
+    assert all("modeling_mixtral.py" in item.location for item in unpatched.graph_breaks)
+
+    report = ont.check(model)
+    assert report.verdict == NEEDS_PATCHES
+    assert [patch.name for patch in report.patches] == ["static_moe_experts"]
+    assert [item.op for item in report.unpatched_dynamic_shapes] == ["aten::nonzero"]
+    assert report.dynamic_shapes == [] and report.graph_breaks == [] and report.graph_count == 1
+
+
+def test_float64_is_reported_then_narrowed_by_its_patch():
+    case = CASES["aimv2"]
+    report = ont.check(case.build(), case.inputs(), compile=False)
+    assert [patch.name for patch in report.patches] == ["float64_to_float32"]
+    [float64] = report.unpatched_dtypes
+    assert float64.dtype == "float64" and float64.treatment.startswith("narrowed to float32")
+    assert report.verdict == NEEDS_PATCHES
+
+
+class Zeta(torch.nn.Module):
+    """linear -> special.zeta (no StableHLO lowering) -> argmax (no native eager kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.special.zeta(self.linear(x).abs() + 2, 1.5).argmax(-1)
+
+
+def test_a_hand_built_module_reports_fallbacks_and_unlowered_ops():
+    torch.manual_seed(0)
+    report = ont.check(Zeta(), {"x": torch.randn(4, 8)})
+    assert report.verdict == RUNS_WITH_FALLBACKS and report.falls_back
+    assert {item.op: item.modules for item in report.fallbacks} == {
+        "aten::argmax.out": {"Zeta": 1}, "aten::special_zeta.out": {"Zeta": 1},
+    }
+    assert any("zeta" in item.op and "StableHLO" in item.reason for item in report.unlowered_ops), report.unlowered_ops
+
+
+def test_renderings_agree(folders):
+    report = ont.check(str(folders["t5"]), compile=False)
+    text, markdown = report.render(), report.render("markdown")
+    assert "verdict: runs with fallbacks" in text and "aten::minimum.out: 3 calls" in text
+    assert "**Verdict: runs with fallbacks**" in markdown and "## Ops that fall back to the CPU" in markdown
+    data = json.loads(report.render("json"))
+    assert data["verdict"] == RUNS_WITH_FALLBACKS and data["fallbacks"][0]["op"] == "aten::minimum.out"
+    assert data["graph_count"] is None  # compile=False
+    with pytest.raises(ValueError, match="unknown report format 'html'"):
+        report.render("html")
+
+
+def test_cli_check_formats_strict_and_errors(folders, tmp_path):
+    strict = optimum_cli("check", str(folders["t5"]), "--format", "json", "--strict", "--no-compile")
+    assert strict.returncode == 1, strict.stderr
+    assert json.loads(strict.stdout)["fallbacks"][0]["op"] == "aten::minimum.out"
+
+    clean = optimum_cli("check", str(folders["llama"]), "--strict", "--format", "markdown")
+    assert clean.returncode == 0, clean.stderr
+    assert "**Verdict: runs natively**" in clean.stdout
+
+    missing = optimum_cli("check", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and missing.stdout == ""
+    [line] = missing.stderr.strip().splitlines()
+    assert line.startswith(f"error: cannot check {tmp_path / 'nowhere'}:")

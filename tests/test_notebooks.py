@@ -1,0 +1,34 @@
+"""The notebooks run as written, top to bottom, on the `neuron` device; they are kept without outputs."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
+# What each notebook must print: a notebook that runs but shows the wrong thing fails too.
+EXPECTED = {
+    "compatibility_check.ipynb": ["verdict: needs patches", "complex_rope", "verdict: blocked", "runs with fallbacks",
+                                  "aten::minimum.out", "exit status: 1"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(path.name for path in NOTEBOOKS.glob("*.ipynb")))
+def test_notebook_runs_as_written(name, tmp_path, monkeypatch):
+    notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert all(not cell.outputs and cell.execution_count is None for cell in code), f"{name} is committed with outputs"
+    # The kernel is this interpreter; its shell commands (`!optimum-cli ...`) find this environment's scripts.
+    monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}")
+    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    printed = "\n".join(
+        output.get("text", "") + "".join(output.get("data", {}).get("text/plain", ""))
+        for cell in code for output in cell.outputs
+    )
+    for expected in EXPECTED.get(name, []):
+        assert expected in printed, f"{name} did not print {expected!r}:\n{printed[-3000:]}"

@@ -1,0 +1,136 @@
+"""Compiled graphs that survive: a graph holding nodes TorchNeuron's compiler cannot take is split,
+its supported parts compiled (each a cached graph with its StableHLO), the rest run eagerly."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import optimum_neuron_torch
+from optimum_neuron_torch.compiler import (
+    DISABLE_SPLIT_ENV,
+    CompileCache,
+    FallbackNode,
+    UnsupportedGraphError,
+    cache_stats,
+    recording_partitions,
+)
+from optimum_neuron_torch.compiler.artifact import STABLEHLO_FILE
+from optimum_neuron_torch.compiler.cache import CACHE_ENV
+from optimum_neuron_torch.compiler.partition import unsupported_by_construction
+
+ZETA = FallbackNode("special_zeta", "torch._C._special.special_zeta", "no StableHLO lowering for aten.special_zeta.other_scalar")
+
+
+class ZetaBetweenLinears(torch.nn.Module):
+    """linear -> zeta (which Torch-MLIR cannot lower) -> linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.special.zeta(self.first(x).abs() + 1.5, 2.0))
+
+
+class ComplexRotation(torch.nn.Module):
+    """linear -> complex rotation (RoPE's complex form) -> linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4)
+        self.register_buffer("rotation", torch.polar(torch.ones(2, 4), torch.randn(2, 4)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rotated = torch.view_as_complex(self.first(x).reshape(2, 4, 2)) * self.rotation
+        return self.second(torch.view_as_real(rotated).flatten(1))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    torch._dynamo.reset()
+    return CompileCache(tmp_path)
+
+
+def test_an_op_that_does_not_lower_splits_the_graph_into_two_compiled_pieces(cache):
+    model = ZetaBetweenLinears()
+    compiled = torch.compile(model.to("neuron"), backend="neuron", fullgraph=True, dynamic=False)
+    x = torch.randn(2, 8)
+    optimum_neuron_torch.clear_op_tracking()
+    with recording_partitions() as reports, torch.no_grad():
+        with pytest.warns(UserWarning, match=r"graph split into 2 compiled pieces around 1 op TorchNeuron's compiler "
+                                             r"cannot take: torch\._C\._special\.special_zeta \(no StableHLO lowering"):
+            first = compiled(x.to("neuron"))
+        graphs, misses = torch._dynamo.utils.counters["stats"]["unique_graphs"], cache_stats().misses
+        y = torch.randn(2, 8)
+        second = compiled(y.to("neuron"))
+    assert [(report.compiled_pieces, report.fallback_nodes) for report in reports] == [(2, [ZETA])]
+    assert "aten::special_zeta.out" in optimum_neuron_torch.fallback_ops()  # ran eagerly, on the counted fallback path
+    with torch.no_grad():
+        model.cpu()
+        torch.testing.assert_close(first.cpu(), model(x))
+        torch.testing.assert_close(second.cpu(), model(y))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs and cache_stats().misses == misses
+    entries = list(cache.entries())
+    assert len(entries) == 2  # the two pieces, each cached with its StableHLO; the whole graph was never compiled
+    for entry in entries:
+        assert entry.metadata["stablehlo"] == "ok" and "stablehlo.dot_general" in (entry.path / STABLEHLO_FILE).read_text()
+
+
+def test_a_graph_the_compiler_takes_whole_is_not_split(cache):
+    compiled = torch.compile(lambda x, w: torch.relu(x @ w).pow(2), backend="neuron", fullgraph=True, dynamic=False)
+    x, w = torch.randn(2, 8), torch.randn(8, 4)
+    with recording_partitions() as reports:
+        result = compiled(x.to("neuron"), w.to("neuron"))
+    torch.testing.assert_close(result.cpu(), torch.relu(x @ w).pow(2))
+    assert reports == [] and len(list(cache.entries())) == 1
+
+
+def test_disabled_splitting_raises_naming_the_op(cache, monkeypatch):
+    monkeypatch.setenv(DISABLE_SPLIT_ENV, "1")
+    compiled = torch.compile(ZetaBetweenLinears().to("neuron"), backend="neuron", fullgraph=True, dynamic=False)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
+        compiled(torch.randn(2, 8, device="neuron"))
+    assert isinstance(raised.value.inner_exception, UnsupportedGraphError)
+    assert re.search(r"node special_zeta \(torch\._C\._special\.special_zeta\): no StableHLO lowering for "
+                     rf"aten\.special_zeta\.other_scalar.*unset {DISABLE_SPLIT_ENV}", str(raised.value.inner_exception))
+    assert list(cache.entries()) == []  # refused before anything was compiled
+
+
+def test_complex_nodes_are_split_out_and_run_eagerly(cache):
+    model = ComplexRotation()
+    compiled = torch.compile(model.to("neuron"), backend="neuron", fullgraph=True, dynamic=False)
+    x = torch.randn(2, 8)
+    with recording_partitions() as reports, torch.no_grad(), pytest.warns(UserWarning, match="complex dtype"):
+        result = compiled(x.to("neuron"))
+    (report,) = reports
+    assert report.compiled_pieces == 2 and len(list(cache.entries())) == 2
+    assert [(node.op, node.reason) for node in report.fallback_nodes] == [
+        ("torch.view_as_complex", "complex dtype"), ("_operator.mul", "complex dtype"), ("torch.view_as_real", "complex dtype"),
+    ]
+    with torch.no_grad():
+        torch.testing.assert_close(result.cpu(), model.cpu()(x))
+
+
+def _graph_of(function, *inputs) -> torch.fx.GraphModule:
+    graphs = []
+    torch._dynamo.reset()
+    torch.compile(function, backend=lambda gm, _: graphs.append(gm) or gm, fullgraph=True)(*inputs)
+    return graphs[0]
+
+
+def test_data_dependent_shapes_and_float64_are_unsupported_by_construction():
+    x = torch.randn(3, 4, device="neuron")
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        graph = _graph_of(lambda x: torch.nonzero(x > 0).sum() + x.sum(), x)
+    reasons = {node.name: reason for node, reason in unsupported_by_construction(graph).items()}
+    assert reasons["nonzero"] == "data-dependent output shape" and reasons["sum_1"] == "input of data-dependent shape"
+    assert "gt" not in reasons and "sum_2" not in reasons
+    graph = _graph_of(lambda x: (x.double() * 2).float() + 1, x)
+    reasons = {node.name: reason for node, reason in unsupported_by_construction(graph).items()}
+    assert reasons == {"double": "float64 dtype", "mul": "float64 dtype", "float_1": "float64 dtype"}
