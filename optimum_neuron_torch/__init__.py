@@ -20,6 +20,7 @@ from .fallbacks import (  # noqa: E402
     native_generation_ops,
     set_fallback_policy,
 )
+from .loading import DEFAULT_MODEL, default_model_path  # noqa: E402
 from .modeling import (  # noqa: E402
     NeuronAutoModel,
     NeuronAutoModelForCausalLM,
@@ -30,8 +31,10 @@ from .modeling import (  # noqa: E402
     NeuronAutoModelForTokenClassification,
     embed,
 )
+from .pipelines import pipeline  # noqa: E402
 
 __all__ = [
+    "DEFAULT_MODEL",
     "FallbackStats",
     "NeuronAutoModel",
     "NeuronAutoModelForCausalLM",
@@ -44,6 +47,7 @@ __all__ = [
     "backend_info",
     "check",
     "clear_op_tracking",
+    "default_model_path",
     "embed",
     "executed_ops",
     "fallback_ops",
@@ -51,5 +55,6 @@ __all__ = [
     "fallback_stats",
     "get_fallback_policy",
     "native_generation_ops",
+    "pipeline",
     "set_fallback_policy",
 ]

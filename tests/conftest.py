@@ -38,10 +38,12 @@ def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 30
     )
 
 
-def optimum_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Runs `optimum-cli neuron-torch ARGS` from this interpreter's environment."""
+def optimum_cli(*args: str, env: dict[str, str] | None = None, input: str | None = None,
+                timeout: float = 300) -> subprocess.CompletedProcess:
+    """Runs `optimum-cli neuron-torch ARGS` from this interpreter's environment, `input` on its stdin."""
     command = [os.path.join(os.path.dirname(sys.executable), "optimum-cli"), "neuron-torch", *args]
-    return subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout)
+    return subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})}, input=input,
+                          timeout=timeout)
 
 
 def assert_same(device_value: torch.Tensor, cpu_value: torch.Tensor, **tolerances) -> None:

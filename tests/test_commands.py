@@ -1,0 +1,144 @@
+"""`optimum-cli neuron-torch` commands, run as subprocesses: generate, compile, env, their help and
+their errors (check and cache have their own tests in test_check.py and test_compile_cache.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import optimum_neuron_torch
+from conftest import optimum_cli
+from optimum_neuron_torch.compiler.cache import CACHE_ENV, CompileCache
+from tiny_models import TINY_MODELS, tiny_tokenizer
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }} {{ message['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant{% endif %}"
+)
+PROMPT = "what is the capital of france?"
+NEW_TOKENS = 8
+BUCKETS = ("--batch-sizes", "1", "--prompt-buckets", "16", "--max-length", "64")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory) -> Path:
+    """A tiny Mistral (Llama's architecture, untied embeddings: its greedy tokens vary, where the tiny
+    Llama repeats the last prompt token) with a real tokenizer that has a chat template."""
+    folder = TINY_MODELS["mistral"].save(tmp_path_factory.mktemp("commands") / "mistral")
+    tokenizer = tiny_tokenizer("llama")  # the same special-token ids as the tiny Mistral's config
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def compiled(chat_model, tmp_path_factory) -> tuple[str, Path, Path]:
+    """`compile` into an empty cache, saving the model: its stdout, the cache and the saved folder.
+    The generate tests run with this cache, so that they load its graphs instead of compiling them."""
+    root = tmp_path_factory.mktemp("compiled")
+    done = optimum_cli("compile", str(chat_model), *BUCKETS, "--save", str(root / "saved"), env={CACHE_ENV: str(root / "cache")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, root / "cache", root / "saved"
+
+
+def cpu_greedy_text(folder: Path, inputs: dict[str, torch.Tensor]) -> str:
+    """What Transformers on the CPU generates greedily for `inputs`, decoded as the streamer decodes."""
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    tokens = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    assert len(set(tokens.tolist())) > 1, "the tiny model repeats one token: the comparison would prove little"
+    return AutoTokenizer.from_pretrained(folder).decode(tokens, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("command, described", [
+    ((), ["generate", "check", "compile", "cache", "env"]),
+    (("generate",), ["prompt", "--model", "--max-new-tokens", "--do-sample", "--temperature", "--top-k", "--top-p",
+                     "--seed", "--no-chat-template", "--system"]),
+    (("check",), ["model", "--format", "--strict", "--no-patches", "--no-compile", "--sequence-length"]),
+    (("compile",), ["model", "--batch-sizes", "--prompt-buckets", "--max-length", "--save"]),
+    (("cache",), ["list", "stats", "clear"]),
+    (("cache", "list"), ["List the compiled graphs"]),
+    (("cache", "stats"), ["Show where the compile cache is"]),
+    (("cache", "clear"), ["Remove every compiled graph"]),
+    (("env",), ["--format", "text", "json"]),
+])
+def test_every_command_has_help(command, described):
+    done = optimum_cli(*command, "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: optimum-cli neuron-torch {' '.join(command)}".rstrip())
+    for word in described:
+        assert word in done.stdout
+
+
+def test_generate_streams_the_chat_answer_of_transformers(chat_model, compiled):
+    system = "answer in one word"
+    done = optimum_cli("generate", PROMPT, "--model", str(chat_model), "--max-new-tokens", str(NEW_TOKENS),
+                       "--system", system, env={CACHE_ENV: str(compiled[1])})
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": PROMPT}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    assert done.stdout == cpu_greedy_text(chat_model, inputs) + "\n"  # the answer only: no prompt, no notes
+
+
+def test_generate_reads_the_prompt_from_stdin(chat_model, compiled):
+    done = optimum_cli("generate", "--model", str(chat_model), "--max-new-tokens", str(NEW_TOKENS), "--no-chat-template",
+                       env={CACHE_ENV: str(compiled[1])}, input=f"{PROMPT}\n")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    inputs = AutoTokenizer.from_pretrained(chat_model)(PROMPT, return_tensors="pt")
+    assert done.stdout == cpu_greedy_text(chat_model, inputs) + "\n"
+
+
+def test_compile_reports_its_graphs_and_saves_them_with_the_model(chat_model, compiled, tmp_path):
+    stdout, cache, saved = compiled
+    assert "batch sizes [1], prompt buckets [16], max length 64" in stdout
+    assert "2 graphs compiled" in stdout and "0 loaded from the compile cache" in stdout  # a prefill bucket, a decode step
+    assert str(cache) in stdout
+
+    spec = json.loads((saved / "neuron_generation.json").read_text())
+    assert spec["buckets"] == {"batch_sizes": [1], "prompt_lengths": [16], "max_length": 64}
+    assert sorted(spec["graphs"]) == sorted(entry.key for entry in CompileCache(cache).entries())
+    assert AutoTokenizer.from_pretrained(saved).get_vocab() == AutoTokenizer.from_pretrained(chat_model).get_vocab()
+
+    # The saved folder arrives precompiled: its graphs join an empty cache and nothing compiles.
+    again = optimum_cli("compile", str(saved), *BUCKETS, env={CACHE_ENV: str(tmp_path / "cache")})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "0 graphs compiled" in again.stdout and "2 loaded from the compile cache" in again.stdout
+
+
+def test_env_reports_backend_versions_devices_and_caches(tmp_path):
+    cache = tmp_path / "cache"
+    env = {CACHE_ENV: str(cache), "OPTIMUM_NEURON_TORCH_DEVICE_MEMORY": "1GiB"}
+    text = optimum_cli("env", env=env)
+    assert text.returncode == 0, text.stderr[-3000:]
+    expected = {f"backend: reference {optimum_neuron_torch.__version__}", f"torch: {torch.__version__}",
+                f"transformers: {transformers.__version__}", "devices: 1",
+                "  neuron:0: Reference NeuronCore (host memory) 0, 1.00 GiB", "support profile: torchneuron",
+                f"compile cache: {cache}", f"  {CACHE_ENV}={cache}"}
+    assert expected <= set(text.stdout.splitlines()), text.stdout
+
+    report = json.loads(optimum_cli("env", "--format", "json", env=env).stdout)
+    assert report["backend"] == {"name": "reference", "version": optimum_neuron_torch.__version__}
+    assert report["versions"]["transformers"] == transformers.__version__
+    assert [device["memory_bytes"] for device in report["devices"]] == [2**30]
+    assert report["caches"]["compile"] == str(cache)
+    assert report["environment_variables"] == env
+
+
+@pytest.mark.parametrize("args, env, failure", [
+    (("generate", "hi", "--model", "{missing}"), {}, "cannot generate with {missing}: CheckpointError:"),
+    (("env",), {"OPTIMUM_NEURON_TORCH_DEVICE_MEMORY": "lots"},
+     "cannot report the environment: ConfigurationError: OPTIMUM_NEURON_TORCH_DEVICE_MEMORY='lots' is not a size"),
+])
+def test_failures_are_one_line_and_status_2(tmp_path, args, env, failure):
+    missing = str(tmp_path / "missing")
+    done = optimum_cli(*(arg.format(missing=missing) for arg in args), env=env)
+    assert done.returncode == 2 and done.stdout == ""
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"error: {failure.format(missing=missing)}")
