@@ -128,7 +128,7 @@ def test_env_reports_backend_versions_devices_and_caches(tmp_path):
     assert report["versions"]["transformers"] == transformers.__version__
     assert [device["memory_bytes"] for device in report["devices"]] == [2**30]
     assert report["caches"]["compile"] == str(cache)
-    assert report["environment_variables"] == env
+    assert env.items() <= report["environment_variables"].items()  # and whatever else the caller's environment sets
 
 
 @pytest.mark.parametrize("args, env, failure", [
