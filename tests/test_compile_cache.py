@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from conftest import optimum_cli, run_python
+from optimum_neuron_torch import NeuronAutoModelForCausalLM
 from optimum_neuron_torch.compiler.cache import CACHE_ENV, CompileCache
 from tiny_models import TINY_MODELS
 
@@ -116,6 +117,18 @@ def test_a_model_saved_precompiled_arrives_precompiled(saved_llama, tmp_path):
 
     arrived = result(generate_in_subprocess(tmp_path / "precompiled", tmp_path / "second"))
     assert arrived["misses"] == 0 and arrived["hits"] == 2
+
+
+def test_a_second_model_of_the_same_shapes_saves_its_graphs_too(saved_llama, tmp_path):
+    """Dynamo runs the graphs compiled for the first model again for the second without asking the
+    backend: the second model must still know (and save) its graphs."""
+    models = [NeuronAutoModelForCausalLM.from_pretrained(saved_llama) for _ in range(2)]
+    for model in models:
+        model.precompile(batch_sizes=(1,), prompt_buckets=(16,), max_length=64, show_progress=False)
+    assert len(models[1].neuron_generation.cache_keys) == 2
+    assert models[1].neuron_generation.cache_keys == models[0].neuron_generation.cache_keys
+    models[1].save_pretrained(tmp_path / "second")
+    assert len(json.loads((tmp_path / "second" / "neuron_generation.json").read_text())["graphs"]) == 2
 
 
 def test_graphs_saved_in_another_environment_are_recompiled_with_a_message(saved_llama, tmp_path):

@@ -73,7 +73,7 @@ _recorders: list[set[str]] = []
 
 @contextlib.contextmanager
 def recording_cache_keys() -> Iterator[set[str]]:
-    """Collects the cache keys of the graphs compiled or loaded inside the block."""
+    """Collects the cache keys of the graphs compiled, loaded or run inside the block."""
     keys: set[str] = set()
     _recorders.append(keys)
     try:
@@ -107,6 +107,18 @@ def compile_cached(gm: torch.fx.GraphModule, example_inputs: list[Any], options:
     else:
         STATS.hits += 1
         STATS.load_seconds += elapsed
+    return _recorded(compiled, key)
+
+
+def _recorded(compiled: Callable[..., Any], key: str) -> Callable[..., Any]:
+    """`compiled`, noting `key` in the active recorders now and on every call: Dynamo runs a graph
+    compiled for an earlier model of the same shapes again without asking the backend."""
     for keys in _recorders:
         keys.add(key)
-    return compiled
+
+    def run(*args: Any) -> Any:
+        for keys in _recorders:
+            keys.add(key)
+        return compiled(*args)
+
+    return run
