@@ -12,6 +12,7 @@ import torch
 from transformers import AutoTokenizer, BatchEncoding, PreTrainedTokenizerBase, TextStreamer
 
 from ..errors import ConfigurationError
+from ..loading import default_model_path
 from .models import load_generative_model
 
 
@@ -51,8 +52,6 @@ def generate(model_id: str | None, prompt: str | None, *, max_new_tokens: int = 
         raise ConfigurationError(f"--{'/--'.join(name.replace('_', '-') for name in sampling)} only apply to sampling: add --do-sample")
     text = read_prompt(prompt)
     if model_id is None:
-        from ..loading.default_model import default_model_path
-
         model_id = str(default_model_path())
     model = load_generative_model(model_id)
     tokenizer = AutoTokenizer.from_pretrained(model_id)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from transformers import Pipeline
 
+from ..loading import default_model_path
 from ..modeling import (
     NeuronAutoModel,
     NeuronAutoModelForCausalLM,
@@ -51,8 +52,6 @@ def default_model(task: str) -> Path:
     """The local folder of the task's default model: SmolLM2-135M-Instruct for text-generation,
     all-MiniLM-L6-v2 for feature-extraction (when its package is installed); no other task has one offline."""
     if task == "text-generation":
-        from ..loading.default_model import default_model_path
-
         return default_model_path()
     if task == "feature-extraction":
         spec = importlib.util.find_spec(SENTENCE_EMBEDDINGS_PACKAGE)  # located, never imported
