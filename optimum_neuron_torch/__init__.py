@@ -9,7 +9,11 @@ __version__ = "0.1.0.dev0"
 from .device import backend_info, clear_op_tracking, executed_ops, fallback_ops  # noqa: E402
 from .device.backend import activate as _activate  # noqa: E402
 
-_activate()
+if _activate().name == "reference":
+    # TorchNeuron brings its own `neuron` compile backend; the reference device gets the library's.
+    from .compiler.backend import register as _register_compile_backend  # noqa: E402
+
+    _register_compile_backend()
 
 from .check import check  # noqa: E402
 from .fallbacks import (  # noqa: E402

@@ -119,7 +119,7 @@ def test_env_reports_backend_versions_devices_and_caches(tmp_path):
     assert text.returncode == 0, text.stderr[-3000:]
     expected = {f"backend: reference {optimum_neuron_torch.__version__}", f"torch: {torch.__version__}",
                 f"transformers: {transformers.__version__}", "devices: 1",
-                "  neuron:0: Reference NeuronCore (host memory) 0, 1.00 GiB", "support profile: torchneuron",
+                "  neuron:0: 1.00 GiB", "support profile: torchneuron",
                 f"compile cache: {cache}", f"  {CACHE_ENV}={cache}"}
     assert expected <= set(text.stdout.splitlines()), text.stdout
 

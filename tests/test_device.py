@@ -48,8 +48,8 @@ def test_device_properties_and_selection():
     assert torch.neuron.is_available()
     assert torch.neuron.current_device() == 0
     props = torch.neuron.get_device_properties(0)
-    assert props.total_memory == torch.neuron.mem_get_info()[1]
-    assert "NeuronCore" in torch.neuron.get_device_name()
+    assert props.total_memory == optimum_neuron_torch.device.mem_get_info()[1]
+    assert torch.neuron.get_device_name() == "neuron:0" == torch.neuron.get_device_name(torch.device("neuron:0"))
     assert torch.neuron.is_bf16_supported()
     with pytest.raises(RuntimeError, match="invalid device index 3"):
         torch.neuron.set_device(3)

@@ -8,32 +8,32 @@ import pytest
 import torch
 
 from conftest import assert_same, run_python
-from optimum_neuron_torch.device import reference
+from optimum_neuron_torch.device import clear_op_tracking, executed_ops, fallback_ops, reference
 from optimum_neuron_torch.errors import ConfigurationError
 
 
 def test_fallbacks_are_counted_exactly(fallback_mode):
     fallback_mode("silent")
     x = torch.randn(4, 5, device="neuron")
-    torch.neuron.clear_op_tracking()
+    clear_op_tracking()
     for _ in range(3):
         x.argmax(dim=1)  # aten::argmax.out is not native on TorchNeuron
     y = x + x  # add.Tensor is native
     stats = reference.fallback_stats()
     assert stats["aten::argmax.out"][0] == 3
     assert stats["aten::argmax.out"][1] > 0
-    assert torch.neuron.get_fallback_ops() == ["aten::argmax.out"]
-    assert "aten::add.Tensor" in torch.neuron.get_executed_ops()
-    assert "aten::argmax.out" not in torch.neuron.get_executed_ops()
+    assert fallback_ops() == ["aten::argmax.out"]
+    assert "aten::add.Tensor" in executed_ops()
+    assert "aten::argmax.out" not in executed_ops()
     assert_same(y, x.cpu() * 2)
-    torch.neuron.clear_op_tracking()
-    assert torch.neuron.get_fallback_ops() == [] and reference.fallback_stats() == {}
+    clear_op_tracking()
+    assert fallback_ops() == [] and reference.fallback_stats() == {}
 
 
 def test_fallback_warns_once_per_op_in_torchneuron_words(fallback_mode):
     fallback_mode("warn")
     x = torch.randn(4, 5, device="neuron")
-    torch.neuron.clear_op_tracking()
+    clear_op_tracking()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         x.argmax()
@@ -73,20 +73,20 @@ def test_full_profile_has_no_fallbacks(profile, fallback_mode):
     fallback_mode("error")
     profile("full")
     x = torch.randn(4, 5, device="neuron")
-    torch.neuron.clear_op_tracking()
+    clear_op_tracking()
     x.argmax().item()
-    assert torch.neuron.get_fallback_ops() == []
-    assert "aten::argmax.out" in torch.neuron.get_executed_ops()
+    assert fallback_ops() == []
+    assert "aten::argmax.out" in executed_ops()
 
 
 def test_view_ops_never_count_as_fallbacks(profile, fallback_mode):
     fallback_mode("silent")
     profile("torchneuron")
     x = torch.randn(4, 6, device="neuron")
-    torch.neuron.clear_op_tracking()
+    clear_op_tracking()
     x.view(6, 4).t().unfold(0, 2, 1)
     torch.view_as_real(torch.zeros(2, dtype=torch.complex64, device="neuron"))
-    assert torch.neuron.get_fallback_ops() == []
+    assert fallback_ops() == []
 
 
 def test_a_user_supplied_op_list_replaces_the_shipped_one(tmp_path, profile, fallback_mode):
@@ -95,11 +95,11 @@ def test_a_user_supplied_op_list_replaces_the_shipped_one(tmp_path, profile, fal
     op_list.write_text("# dumped on a Trn instance\naten::argmax.out\n")
     profile(str(op_list))
     x = torch.randn(3, 3, device="neuron")
-    torch.neuron.clear_op_tracking()
+    clear_op_tracking()
     x.argmax()
     x + x
-    assert torch.neuron.get_executed_ops() == ["aten::argmax.out"]
-    assert torch.neuron.get_fallback_ops() == ["aten::add.Tensor"]
+    assert executed_ops() == ["aten::argmax.out"]
+    assert fallback_ops() == ["aten::add.Tensor"]
 
 
 def test_bad_op_list_names_file_and_line(tmp_path):

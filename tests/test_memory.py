@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from conftest import run_python
+from optimum_neuron_torch.device import mem_get_info
 
 
 def test_allocating_and_freeing_in_a_loop_returns_memory_exactly():
@@ -34,9 +35,10 @@ def test_peak_statistics_and_reset():
 
 
 def test_mem_get_info_tracks_allocations():
-    free, total = torch.neuron.mem_get_info()
+    free, total = mem_get_info()
+    assert total == torch.neuron.get_device_properties(0).total_memory
     held = torch.empty(1 << 16, dtype=torch.uint8, device="neuron")
-    free_after, total_after = torch.neuron.mem_get_info()
+    free_after, total_after = mem_get_info("neuron:0")
     assert total_after == total and free - free_after == 1 << 16
     del held
 
@@ -54,7 +56,7 @@ def test_out_of_memory_names_requested_allocated_and_capacity():
         assert torch.neuron.memory_allocated() == before
         assert torch.neuron.memory_stats()["num_ooms"] == 1
         x = torch.empty(300_000, dtype=torch.uint8, device="neuron")  # still usable after the error
-        print(torch.neuron.mem_get_info())
+        print(optimum_neuron_torch.device.mem_get_info())
         """,
         env={"OPTIMUM_NEURON_TORCH_DEVICE_MEMORY": "1MB"},
     )

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import assert_same
+from optimum_neuron_torch.device import clear_op_tracking, executed_ops
 
 
 def test_autograd_and_an_optimizer_step_match_cpu():
@@ -97,10 +98,10 @@ def test_attention_uses_the_fused_kernel_and_matches_cpu(causal, kv_heads):
     cpu_grads = [t.grad.clone() for t in (q, k, v)]
     for t in (q, k, v):
         t.grad = None
-    torch.neuron.clear_op_tracking()
+    clear_op_tracking()
     dq, dk, dv = (t.detach().to("neuron").requires_grad_() for t in (q, k, v))
     out = torch.nn.functional.scaled_dot_product_attention(dq, dk, dv, is_causal=causal, enable_gqa=gqa)
-    assert "aten::_scaled_dot_product_fused_attention_overrideable" in torch.neuron.get_executed_ops()
+    assert "aten::_scaled_dot_product_fused_attention_overrideable" in executed_ops()
     assert_same(out.detach(), expected.detach(), atol=1e-5, rtol=1e-5)
     out.sum().backward()
     for device_tensor, cpu_grad in zip((dq, dk, dv), cpu_grads):

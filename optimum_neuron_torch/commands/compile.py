@@ -3,13 +3,16 @@ ahead of time (and, with `--save`, into a folder that arrives precompiled)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
 
 from transformers import AutoTokenizer
 
 from ..compiler.cache import cache_root, cache_stats, reset_cache_stats, torchneuron_neff_cache
 from ..device import backend_info
+from ..loading.checkpoint import NEURON_GENERATION_NAME
 from .models import load_generative_model
 
 
@@ -36,4 +39,9 @@ def compile_model(model_id: str, batch_sizes: tuple[int, ...] | None = None, pro
         except (OSError, ValueError) as error:
             reason = str(error).partition("\n")[0]
             print(f"note: saved no tokenizer, none loads: {type(error).__name__}: {reason}", file=sys.stderr)
-        print(f"saved with its {len(model.neuron_generation.cache_keys)} compiled graphs in {save}")
+        spec = json.loads((Path(save) / NEURON_GENERATION_NAME).read_text())
+        if "torch_cache_artifacts" in spec:
+            counts = ", ".join(f"{count} {kind}" for kind, count in spec["torch_cache_artifacts"].items()) or "none"
+            print(f"saved with TorchNeuron's compiled artifacts ({counts}) in {save}")
+        else:
+            print(f"saved with its {len(spec['graphs'])} compiled graphs in {save}")

@@ -1,5 +1,9 @@
 """`optimum-cli neuron-torch env`: what a bug report needs first: the backend, versions, CPU,
-devices, support profile, fallback policy, cache folders and the relevant environment variables."""
+devices, support profile, fallback policy, cache folders and the relevant environment variables.
+
+TorchNeuron sets defaults of its own variables with `os.environ.setdefault` when it loads (at
+`import torch`), so `os.environ` alone cannot tell them from what the user set: the report compares
+it with the environment the process started with (`/proc/self/environ`)."""
 
 from __future__ import annotations
 
@@ -18,8 +22,16 @@ from ..fallbacks import get_fallback_policy
 
 PACKAGES = ("optimum-neuron-torch", "torch", "transformers", "optimum", "huggingface_hub", "torch-mlir")
 VARIABLE_PREFIXES = ("OPTIMUM_NEURON_TORCH_", "TORCH_NEURONX_", "NEURON_")
-VARIABLES = ("HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_OFFLINE",
-             "XDG_CACHE_HOME", "CXX", "OMP_NUM_THREADS")
+# TorchNeuron's compiled-graph cache: its variables, and what applies when one is not set.
+NEFF_CACHE_VARIABLES = {
+    "TORCH_NEURONX_NEFF_CACHE_DIR": "/tmp/neff_cache",
+    "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": "/tmp/local_cache",
+    "TORCH_NEURONX_NEFF_CACHE_LOCK_TIMEOUT": "1200",
+    "TORCH_NEURONX_DISABLE_NEFF_CACHE": "unset (cache on)",
+    "TORCH_NEURONX_NEFF_DISABLE_CACHE": "unset (cache on)",
+}
+VARIABLES = ("TORCH_DEVICE_BACKEND_AUTOLOAD", "HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_DISABLE_PROGRESS_BARS",
+             "TRANSFORMERS_OFFLINE", "XDG_CACHE_HOME", "CXX", "OMP_NUM_THREADS")
 
 
 def _version(package: str) -> str:
@@ -40,28 +52,66 @@ def _cpu() -> str:
     return f"{name}, {os.cpu_count()} cores ({torch.get_num_threads()} torch threads), {torch.backends.cpu.get_cpu_capability()}"
 
 
+def _starting_environment() -> dict[str, str] | None:
+    """The environment the process started with (Linux), or None where it cannot be read."""
+    try:
+        raw = open("/proc/self/environ", "rb").read()  # noqa: SIM115 (one read)
+    except OSError:
+        return None
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+    return {name: value for name, _, value in pairs}
+
+
+def _relevant(name: str) -> bool:
+    return name.startswith(VARIABLE_PREFIXES) or name in VARIABLES
+
+
+def _variables() -> tuple[dict[str, str], dict[str, str]]:
+    """(set by the user, set inside the process: TorchNeuron's defaults), relevant variables only."""
+    starting = _starting_environment()
+    current = {name: value for name, value in sorted(os.environ.items()) if _relevant(name)}
+    if starting is None:
+        return current, {}
+    user = {name: value for name, value in current.items() if starting.get(name) == value}
+    return user, {name: value for name, value in current.items() if name not in user}
+
+
+def _devices() -> list[dict[str, Any]]:
+    devices = []
+    for index in range(torch.neuron.device_count()):
+        try:  # on TorchNeuron this starts the runtime, which fails while another process holds the cores
+            memory: int | str = torch.neuron.get_device_properties(index).total_memory
+        except RuntimeError as error:
+            memory = f"unknown ({str(error).partition(chr(10))[0]})"
+        devices.append({"index": index, "name": torch.neuron.get_device_name(index), "memory_bytes": memory})
+    return devices
+
+
 def environment() -> dict[str, Any]:
     """The report, as plain data (what `--format json` prints)."""
     info = backend_info()
     caches = {"library": str(cache_dir()), "compile": str(cache_root())}
+    user_variables, process_variables = _variables()
+    extra: dict[str, Any] = {}
     if info.name == "torchneuron":
         caches["torchneuron_neff"] = str(torchneuron_neff_cache())
+        extra["torchneuron_defaults"] = process_variables
+        extra["neff_cache_variables"] = {
+            name: os.environ.get(name, f"{default} (default)") for name, default in NEFF_CACHE_VARIABLES.items()
+        }
+    else:
+        user_variables = {**user_variables, **process_variables}
     return {
         "backend": {"name": info.name, "version": info.version},
         "versions": {**{package: _version(package) for package in PACKAGES}, "python": platform.python_version()},
         "platform": platform.platform(),
         "cpu": _cpu(),
-        "devices": [
-            {"index": index, "name": torch.neuron.get_device_name(index),
-             "memory_bytes": torch.neuron.get_device_properties(index).total_memory}
-            for index in range(torch.neuron.device_count())
-        ],
+        "devices": _devices(),
         "profile": info.profile,
         "fallback_policy": get_fallback_policy(),
         "caches": caches,
-        "environment_variables": {
-            name: value for name, value in sorted(os.environ.items()) if name.startswith(VARIABLE_PREFIXES) or name in VARIABLES
-        },
+        "environment_variables": user_variables,
+        **extra,
     }
 
 
@@ -70,13 +120,21 @@ def render_text(report: dict[str, Any]) -> str:
     lines = [f"backend: {report['backend']['name']} {report['backend']['version']}"]
     lines += [f"{package}: {package_version}" for package, package_version in report["versions"].items()]
     lines += [f"platform: {report['platform']}", f"cpu: {report['cpu']}", f"devices: {len(report['devices'])}"]
-    lines += [f"  neuron:{device['index']}: {device['name']}, {device['memory_bytes'] / 2**30:.2f} GiB" for device in report["devices"]]
+    lines += [f"  {device['name']}: {_memory(device['memory_bytes'])}" for device in report["devices"]]
     lines += [f"support profile: {report['profile']}", f"fallback policy: {report['fallback_policy']}"]
     lines += [f"{name.replace('_', ' ')} cache: {path}" for name, path in report["caches"].items()]
-    variables = report["environment_variables"]
-    lines.append("environment variables:" if variables else "environment variables: none set")
-    lines += [f"  {name}={value}" for name, value in variables.items()]
+    sections = [("environment variables", report["environment_variables"], "none set")]
+    if "torchneuron_defaults" in report:
+        sections.append(("set by TorchNeuron at import (its defaults)", report["torchneuron_defaults"], "none"))
+        sections.append(("TorchNeuron NEFF cache variables", report["neff_cache_variables"], "none"))
+    for title, variables, empty in sections:
+        lines.append(f"{title}:" if variables else f"{title}: {empty}")
+        lines += [f"  {name}={value}" for name, value in variables.items()]
     return "\n".join(lines)
+
+
+def _memory(memory_bytes: int | str) -> str:
+    return f"{memory_bytes / 2**30:.2f} GiB" if isinstance(memory_bytes, int) else memory_bytes
 
 
 def print_environment(format: str = "text") -> None:

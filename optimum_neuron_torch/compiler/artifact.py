@@ -30,17 +30,24 @@ STABLEHLO_FILE = "graph.stablehlo.mlir"
 
 @functools.cache
 def environment() -> dict[str, str]:
-    """Everything a compiled graph depends on besides the graph itself."""
+    """Everything a compiled graph depends on besides the graph itself: on the reference device the
+    C++ compiler and the CPU, on TorchNeuron its version (its own cache keys cover its compiler)."""
     from torch._inductor.cpp_builder import get_cpp_compiler
 
-    return {
+    info = backend_info()
+    found = {
         "optimum_neuron_torch": __version__,
         "torch": torch.__version__,
-        "backend": backend_info().name,
+        "backend": info.name,
         "python": platform.python_version(),
+        "platform": sys.platform,
+    }
+    if info.name == "torchneuron":
+        return {**found, "torchneuron": info.version}
+    return {
+        **found,
         "compiler": compiler_version(get_cpp_compiler()),
         "cpu": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()} flags {_cpu_flags_digest()}",
-        "platform": sys.platform,
     }
 
 

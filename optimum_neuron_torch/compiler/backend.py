@@ -1,7 +1,9 @@
-"""The `neuron` torch.compile backend.
+"""The `neuron` torch.compile backend of the reference device.
 
-On TorchNeuron, TorchNeuron's own backend compiles (Torch-MLIR -> StableHLO -> NEFF) and its
-NEFF cache is in charge. On the reference device, Dynamo's graph goes through AOTAutograd to
+On TorchNeuron, `backend="neuron"` is TorchNeuron's own backend (Torch-MLIR -> StableHLO -> NEFF,
+found through its `torch_dynamo_backends` entry point) and its NEFF cache is in charge: this module
+is not registered. On the reference device, `register()` (called when the device is activated)
+makes this backend the `neuron` one, and Dynamo's graph goes through AOTAutograd to
 Inductor's C++ code generation on `neuron` tensors, and the result is kept in the persistent
 compile cache: a graph compiled once, by any process, is loaded rather than compiled again. Like
 TorchNeuron, it accepts static shapes only, and compiles every `mode` as the default one. A graph
@@ -19,7 +21,6 @@ from typing import Any, Callable
 
 import torch
 
-from ..device import backend_info
 from . import artifact, partition, stablehlo
 from .cache import STATS, CompileCache, graph_key
 
@@ -39,11 +40,7 @@ def _has_symbolic_shapes(example_inputs: list[Any]) -> bool:
 
 
 def neuron_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
-    """Compiles a Dynamo graph for the `neuron` device."""
-    if backend_info().name == "torchneuron":
-        from torch_neuronx.neuron_dynamo_backend import backend as torchneuron_backend
-
-        return torchneuron_backend.neuron_backend(gm, example_inputs, **kwargs)
+    """Compiles a Dynamo graph for the reference `neuron` device."""
     mode = kwargs.pop("mode", None)
     if mode not in (None, "default"):
         warnings.warn(f"torch.compile mode {mode!r} is not supported by the neuron backend; compiling as 'default'.", stacklevel=2)
@@ -53,6 +50,16 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs
             "then a new (cached) compile, as on Trainium."
         )
     return _compile(gm, example_inputs, kwargs.pop("options", None) or {})
+
+
+def register() -> None:
+    """Makes this backend `torch.compile(backend="neuron")`. Registered in Dynamo's own registry at
+    activation rather than declared as an entry point: TorchNeuron declares `neuron` in that group,
+    and torch keeps whichever entry point it finds first."""
+    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+
+    if _COMPILER_FNS.get(NAME) is not neuron_backend:
+        register_backend(neuron_backend, name=NAME)
 
 
 def _compile(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]) -> Callable[..., Any]:

@@ -2,13 +2,28 @@
 
 The choice is made once per process. `OPTIMUM_NEURON_TORCH_BACKEND=auto|torchneuron|reference`
 forces it. Nothing else in the library needs to know which backend is active.
+
+How TorchNeuron is recognised (`auto`):
+- it has registered the `neuron` device already: PyTorch autoloads it at `import torch` through
+  its `torch.backends` entry point (or the user imported `torch_neuronx`);
+- it is installed (its `torch.backends` entry point exists) but was not autoloaded
+  (`TORCH_DEVICE_BACKEND_AUTOLOAD=0`): it is imported when the machine has NeuronCores.
+The XLA-based torch-neuronx of the older Neuron SDK uses the same module name but declares no such
+entry point and registers no `neuron` device; with it, or on a machine without NeuronCores, the
+reference device is used, with one warning.
+
+Activation never starts TorchNeuron's runtime: a process that forks afterwards can still use the
+device. Device properties are read when first asked for (`BackendInfo.device_memory`).
 """
 
 from __future__ import annotations
 
+import glob
 import importlib
+import importlib.metadata
 import importlib.util
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +33,9 @@ from ..errors import BackendConflictError, BackendUnavailableError, Configuratio
 BACKEND_ENV = "OPTIMUM_NEURON_TORCH_BACKEND"
 BACKENDS = ("auto", "torchneuron", "reference")
 TORCHNEURON_MODULE = "torch_neuronx"
+AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"
+# Device files the Neuron driver creates, one per Neuron device: present on a Trn instance only.
+NEURON_DEVICE_FILES = "/dev/neuron[0-9]*"
 _UNCLAIMED = "privateuseone"
 
 
@@ -29,14 +47,20 @@ class BackendInfo:
     version: str
     profile: str
     device_count: int
-    device_memory: int
     fallback: str
     torch_version: str = torch.__version__
 
+    @property
+    def device_memory(self) -> int:
+        """Memory of one device in bytes (0 without devices). On TorchNeuron, asking starts its runtime."""
+        return torch.neuron.get_device_properties(0).total_memory if self.device_count else 0
+
     def __str__(self) -> str:
+        # TorchNeuron's device properties would start its runtime: printing the backend must not.
+        memory = f" of {self.device_memory / 2**30:.1f} GiB" if self.name == "reference" else ""
         return (
-            f"{self.name} {self.version} (profile {self.profile}, {self.device_count} device(s) of "
-            f"{self.device_memory / 2**30:.1f} GiB, fallback {self.fallback}, torch {self.torch_version})"
+            f"{self.name} {self.version} (profile {self.profile}, {self.device_count} device(s){memory}, "
+            f"fallback {self.fallback}, torch {self.torch_version})"
         )
 
 
@@ -61,41 +85,77 @@ def _privateuse1_owner() -> str | None:
     return None
 
 
-def _torchneuron_present() -> bool:
-    return importlib.util.find_spec(TORCHNEURON_MODULE) is not None or (
-        torch._C._get_privateuse1_backend_name() == "neuron" and hasattr(torch, "neuron") and not _is_reference()
-    )
+def _module_name() -> str:
+    return getattr(getattr(torch, "neuron", None), "__name__", "")
 
 
 def _is_reference() -> bool:
-    module = getattr(torch, "neuron", None)
-    return getattr(module, "__name__", "").startswith(__package__)
+    return _module_name().startswith(__package__)
+
+
+def torchneuron_registered() -> bool:
+    """Whether TorchNeuron has registered the `neuron` device in this process."""
+    return torch._C._get_privateuse1_backend_name() == "neuron" and _module_name().startswith(TORCHNEURON_MODULE)
+
+
+def torchneuron_installed() -> bool:
+    """Whether TorchNeuron is installed: its `torch.backends` entry point, which the XLA-based
+    torch-neuronx of the same module name does not declare."""
+    return any(
+        entry_point.value.partition(":")[0].split(".")[0] == TORCHNEURON_MODULE
+        for entry_point in importlib.metadata.entry_points(group="torch.backends")
+    )
+
+
+def neuron_cores_present() -> bool:
+    """Whether this machine has Neuron devices, from the driver's device files (nothing is started)."""
+    return bool(glob.glob(NEURON_DEVICE_FILES))
+
+
+def _no_cores_error() -> BackendUnavailableError:
+    return BackendUnavailableError(
+        "TorchNeuron is loaded (PyTorch autoloads it at `import torch`) but sees no NeuronCores on this machine. "
+        f"On a Trn instance, check the Neuron driver (`neuron-ls`) and NEURON_RT_VISIBLE_CORES. To use the reference "
+        f"device here instead, start Python with {AUTOLOAD_ENV}=0 in the environment (it must be set before "
+        "`import torch`), so that TorchNeuron stays unloaded."
+    )
 
 
 def _activate_torchneuron() -> BackendInfo:
-    try:
-        module = importlib.import_module(TORCHNEURON_MODULE)
-    except ImportError as error:
-        raise BackendUnavailableError(
-            f"{BACKEND_ENV}=torchneuron, but TorchNeuron ({TORCHNEURON_MODULE}) cannot be imported: {error}. "
-            f"It is installed on Trn instances from the Neuron SDK; elsewhere use {BACKEND_ENV}=reference or auto."
-        ) from error
-    if not hasattr(torch, "neuron"):
-        raise BackendUnavailableError(f"{TORCHNEURON_MODULE} imported but registered no torch.neuron module.")
+    if not torchneuron_registered():
+        try:
+            importlib.import_module(TORCHNEURON_MODULE)
+        except ImportError as error:
+            raise BackendUnavailableError(
+                f"{BACKEND_ENV}=torchneuron, but TorchNeuron ({TORCHNEURON_MODULE}) cannot be imported: {error}. "
+                f"It is installed on Trn instances from the Neuron SDK; elsewhere use {BACKEND_ENV}=reference or auto."
+            ) from error
+        if not torchneuron_registered():
+            raise BackendUnavailableError(
+                f"{TORCHNEURON_MODULE} imported but registered no `neuron` device: it is the XLA-based torch-neuronx "
+                f"of the older Neuron SDK, not TorchNeuron. Install TorchNeuron from Neuron SDK 2.33 or later, or use "
+                f"{BACKEND_ENV}=reference."
+            )
     count = torch.neuron.device_count()
-    memory = torch.neuron.get_device_properties(0).total_memory if count else 0
+    if count == 0:
+        raise _no_cores_error()
     return BackendInfo(
         name="torchneuron",
-        version=getattr(module, "__version__", "unknown"),
+        version=getattr(importlib.import_module(TORCHNEURON_MODULE), "__version__", "unknown"),
         profile="hardware",
         device_count=count,
-        device_memory=memory,
         fallback="cpu",
     )
 
 
 def _activate_reference() -> BackendInfo:
     if not _is_reference():
+        if torchneuron_registered():
+            raise BackendConflictError(
+                f"{BACKEND_ENV}=reference, but TorchNeuron was autoloaded at `import torch` and owns the `neuron` "
+                f"device. Start Python with {AUTOLOAD_ENV}=0 in the environment (it must be set before `import "
+                "torch`) to keep TorchNeuron unloaded and use the reference device."
+            )
         owner = _privateuse1_owner()
         if owner is not None:
             raise BackendConflictError(
@@ -113,9 +173,28 @@ def _activate_reference() -> BackendInfo:
         version=__version__,
         profile=state.profile.name,
         device_count=state.settings.device_count,
-        device_memory=state.settings.device_memory,
         fallback=state.settings.fallback,
     )
+
+
+def _auto() -> BackendInfo:
+    """TorchNeuron where it can run, else the reference device (with a warning that says why)."""
+    if torchneuron_registered():
+        return _activate_torchneuron()  # no NeuronCores: an error, the `neuron` slot is TorchNeuron's
+    if torchneuron_installed():
+        if neuron_cores_present():
+            return _activate_torchneuron()
+        warnings.warn(
+            "TorchNeuron is installed but this machine has no NeuronCores: using optimum-neuron-torch's reference "
+            f"neuron device instead (set {BACKEND_ENV}=reference to silence this warning).", stacklevel=4,
+        )
+    elif importlib.util.find_spec(TORCHNEURON_MODULE) is not None and not _is_reference():
+        warnings.warn(
+            f"The installed {TORCHNEURON_MODULE} is the XLA-based torch-neuronx of the older Neuron SDK (it has no "
+            "`neuron` device), not TorchNeuron: using optimum-neuron-torch's reference neuron device instead "
+            f"(set {BACKEND_ENV}=reference to silence this warning).", stacklevel=4,
+        )
+    return _activate_reference()
 
 
 def activate() -> BackendInfo:
@@ -123,8 +202,10 @@ def activate() -> BackendInfo:
     global _active
     if _active is None:
         requested = _requested()
-        if requested == "torchneuron" or (requested == "auto" and _torchneuron_present()):
+        if requested == "torchneuron":
             _active = _activate_torchneuron()
-        else:
+        elif requested == "reference":
             _active = _activate_reference()
+        else:
+            _active = _auto()
     return _active

@@ -21,6 +21,11 @@ class ModuleStack:
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
     @property
+    def depth(self) -> int:
+        """How many module forwards are running (0 outside any)."""
+        return len(self._running)
+
+    @property
     def current(self) -> str | None:
         """The innermost running module's name, or None outside any forward."""
         return self._running[-1] if self._running else None

@@ -6,9 +6,14 @@
 - `silent`: the op runs on the CPU, counted only.
 
 One policy holds for the process (`OPTIMUM_NEURON_TORCH_FALLBACK` sets it at start);
-`fallback_policy(mode)` changes it inside a block. The reference device applies it per call. On
-TorchNeuron, whose fallback never reports itself, the library reads TorchNeuron's tracker
-(`get_fallback_ops()`) after every module call and warns or raises itself.
+`fallback_policy(mode)` changes it inside a block. The reference device applies it per call, before
+the op runs. TorchNeuron's fallback never reports itself and records each op name once, so the
+library reads TorchNeuron's tracker (`get_fallback_ops()`, after waiting for queued work) and acts
+after the fact, when the op has already run on the CPU:
+- `warn`: once per op, at the start and end of each outermost module call (two waits per model forward);
+- `error`: entering `error` clears TorchNeuron's tracking (ops seen earlier count again); the tracker
+  is read whenever a module starts or ends, and a fallback raises there, naming the module that ran
+  it (the module that was running when the op ran: the one ending, or the one calling a submodule).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ..device import backend_info, fallback_ops
+from ..device import backend_info, clear_op_tracking, fallback_ops
 from ..device.reference.settings import FALLBACK_ENV, FALLBACK_MODES
 from ..errors import ConfigurationError
 from .modules import ModuleStack, observing_modules
@@ -54,10 +59,10 @@ class _Policy:
     """The process's policy, and the module observer that names callers while one is needed."""
 
     def __init__(self) -> None:
-        self._mode = os.environ.get(FALLBACK_ENV, "warn").strip().lower()
+        self._mode = ""  # none yet: entering the first one is a change
         self._observer: contextlib.ExitStack | None = None
         self._reported: set[str] = set()
-        self.set(self.mode)
+        self.set(os.environ.get(FALLBACK_ENV, "warn").strip().lower())
 
     @property
     def mode(self) -> str:
@@ -74,37 +79,58 @@ class _Policy:
             from ..device import reference
 
             reference.set_fallback_mode(mode)
+        elif mode == "error" and self._mode != "error":
+            clear_op_tracking()  # TorchNeuron records an op once: one seen before must raise now
         self._mode = mode
         # The reference device needs the observer only to name the caller of a refused op;
         # TorchNeuron needs it to notice fallbacks at all.
         needed = mode == "error" or (mode == "warn" and not _on_reference())
         if needed and self._observer is None:
             self._observer = contextlib.ExitStack()
-            self._observer.enter_context(observing_modules(_ignore, self._after_module))
+            self._observer.enter_context(observing_modules(self._before_module, self._after_module))
             self._reported = set(fallback_ops())
         elif not needed and self._observer is not None:
             self._observer.close()
             self._observer = None
 
+    def _before_module(self, stack: ModuleStack) -> None:
+        if _on_reference():
+            return
+        if self._mode == "error":
+            self._refuse_fallbacks(stack.current)
+        elif stack.depth == 0:  # `warn`: what fell back before a model call ran outside any module
+            self._warn_new_fallbacks(None)
+
     def _after_module(self, stack: ModuleStack) -> None:
         if _on_reference():
             _name_caller(stack.current)
-        else:
-            self._report_new_fallbacks(stack.current)
+        elif self._mode == "error":
+            self._refuse_fallbacks(stack.current)
+        elif stack.depth == 1:  # `warn`: once per outermost forward, so one wait per model call
+            self._warn_new_fallbacks(stack.current)
 
-    def _report_new_fallbacks(self, module: str | None) -> None:
-        """TorchNeuron: warns about, or refuses, ops that entered its fallback tracker."""
+    def _refuse_fallbacks(self, module: str | None) -> None:
+        """TorchNeuron, `error`: raises for ops that fell back since the last check (then forgets them,
+        so that the next module is judged on its own ops)."""
+        ops = fallback_ops()
+        if ops:
+            clear_op_tracking()
+            where = f"module '{module}'" if module else "code outside any module"
+            raise NotImplementedError(
+                f"Operator '{ops[0]}' {FALLBACK_MESSAGE} in {where}"
+                + (f" (also {', '.join(ops[1:])})" if len(ops) > 1 else "")
+                + f", and {FALLBACK_ENV}=error forbids fallbacks. On TorchNeuron the op has already run on the CPU "
+                "when this is raised (at the start or end of the module that ran it)."
+            )
+
+    def _warn_new_fallbacks(self, module: str | None) -> None:
+        """TorchNeuron, `warn`: one warning per op that entered its fallback tracker."""
         new = [op for op in fallback_ops() if op not in self._reported]
         self._reported.update(new)
         for op in new:
-            message = f"Operator '{op}' {FALLBACK_MESSAGE} (called from module '{module}')"
-            if self.mode == "error":
-                raise NotImplementedError(f"{message}, and {FALLBACK_ENV}=error forbids fallbacks.")
-            warnings.warn(f"{message}; see optimum_neuron_torch.fallback_ops().", stacklevel=2)
-
-
-def _ignore(stack: ModuleStack) -> None:
-    """Nothing to do when a module starts."""
+            where = f"during a call of '{module}'" if module else "outside any module"
+            warnings.warn(f"Operator '{op}' {FALLBACK_MESSAGE} ({where}); see optimum_neuron_torch.fallback_ops().",
+                          stacklevel=2)
 
 
 def _name_caller(module: str | None) -> None:

@@ -1,7 +1,13 @@
 """Compiled generation in `save_pretrained` output: the bucket spec, the compile settings, the
 environment the graphs were compiled in (`neuron_generation.json`) and the compiled graphs
-themselves (`neuron_compiled/<key>/`, compile-cache entries), so that a model saved precompiled
-arrives precompiled."""
+themselves, so that a model saved precompiled arrives precompiled:
+- on the reference device, the model's compile-cache entries (`neuron_compiled/<key>/`);
+- on TorchNeuron, whose own NEFF cache holds the compiled graphs, the process's compiled artifacts
+  as torch's MegaCache serializes them (`torch.compiler.save_cache_artifacts()`, which TorchNeuron
+  hooks for its NEFFs): `neuron_compiled/torch_cache_artifacts.bin`, given back to
+  `torch.compiler.load_cache_artifacts()` on load. It holds every graph compiled in the process
+  until then, this model's and any other's.
+"""
 
 from __future__ import annotations
 
@@ -10,27 +16,51 @@ import shutil
 import warnings
 from pathlib import Path
 
+import torch
+
 from ..compiler.artifact import environment
 from ..compiler.cache import CompileCache
+from ..device import backend_info
 from ..loading.checkpoint import NEURON_COMPILED_DIR, NEURON_GENERATION_NAME
 from .buckets import Buckets
 from .compiled_generation import COMPILE_CONFIG, CompiledGeneration
 
+TORCH_CACHE_ARTIFACTS = "torch_cache_artifacts.bin"
+
 
 def save(generation: CompiledGeneration, folder: Path) -> None:
-    """Writes the spec and copies the model's compiled graphs from the compile cache into `folder`."""
-    cache = CompileCache()
-    entries = [entry for entry in map(cache.get, sorted(generation.cache_keys)) if entry is not None]
+    """Writes the spec and the model's compiled graphs into `folder`."""
     spec = {
         "buckets": generation.buckets.to_dict(),
         "compile_config": COMPILE_CONFIG.to_dict(),
         "environment": environment(),
-        "graphs": [entry.key for entry in entries],
     }
-    (folder / NEURON_GENERATION_NAME).write_text(json.dumps(spec, indent=2) + "\n")
     shutil.rmtree(folder / NEURON_COMPILED_DIR, ignore_errors=True)
-    for entry in entries:
-        shutil.copytree(entry.path, folder / NEURON_COMPILED_DIR / entry.key)
+    if backend_info().name == "torchneuron":
+        spec["torch_cache_artifacts"] = _save_torch_cache_artifacts(folder)
+    else:
+        cache = CompileCache()
+        entries = [entry for entry in map(cache.get, sorted(generation.cache_keys)) if entry is not None]
+        for entry in entries:
+            shutil.copytree(entry.path, folder / NEURON_COMPILED_DIR / entry.key)
+        spec["graphs"] = [entry.key for entry in entries]
+    (folder / NEURON_GENERATION_NAME).write_text(json.dumps(spec, indent=2) + "\n")
+
+
+def _save_torch_cache_artifacts(folder: Path) -> dict[str, int]:
+    """TorchNeuron: the process's compiled artifacts through torch's MegaCache; {artifact type: count}."""
+    serialized = torch.compiler.save_cache_artifacts()
+    if serialized is None:
+        warnings.warn(
+            f"TorchNeuron recorded no compiled artifacts in this process, so {folder} holds no compiled graphs: they "
+            "will be compiled on first use. Call model.precompile() before save_pretrained() to include them.",
+            stacklevel=4,
+        )
+        return {}
+    data, info = serialized
+    (folder / NEURON_COMPILED_DIR).mkdir(parents=True)
+    (folder / NEURON_COMPILED_DIR / TORCH_CACHE_ARTIFACTS).write_bytes(data)
+    return {kind: len(keys) for kind, keys in sorted(info.artifacts.items())}
 
 
 def restore(folder: Path) -> Buckets | None:
@@ -50,6 +80,9 @@ def restore(folder: Path) -> Buckets | None:
             "compiled again on first use. Call model.precompile() to compile them all now.", stacklevel=3,
         )
         return buckets
+    artifacts = folder / NEURON_COMPILED_DIR / TORCH_CACHE_ARTIFACTS
+    if artifacts.is_file() and backend_info().name == "torchneuron":
+        torch.compiler.load_cache_artifacts(artifacts.read_bytes())  # TorchNeuron puts the NEFFs in its cache
     cache = CompileCache()
     for key in spec.get("graphs", []):
         entry_folder = folder / NEURON_COMPILED_DIR / key

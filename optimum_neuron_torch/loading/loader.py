@@ -26,6 +26,7 @@ from transformers.core_model_loading import WeightRenaming
 from transformers.modeling_utils import LoadStateDictConfig
 from transformers.utils.loading_report import LoadStateDictInfo
 
+from ..device import mem_get_info
 from ..errors import CheckpointError, InsufficientDeviceMemoryError
 from .checkpoint import Checkpoint
 from .pickled_file import PickledFile
@@ -128,7 +129,7 @@ def _size(nbytes: int) -> str:
 def check_device_memory(model: PreTrainedModel, device: torch.device, name: str) -> None:
     """Refuses a model that cannot fit, before anything is loaded."""
     needed = _device_bytes(model)
-    free, total = torch.neuron.mem_get_info(device)
+    free, total = mem_get_info(device)
     if needed > free:
         raise InsufficientDeviceMemoryError(
             f"{name} needs {_size(needed)} of device memory in {next(model.parameters()).dtype} but {device} has "

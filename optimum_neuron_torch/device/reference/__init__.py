@@ -4,6 +4,7 @@ whose other ops take a counted CPU fallback path)."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,9 @@ from .profiles import DEVICE_ONLY_OPS, VIEW_OPS, Profile, load_profile, shipped_
 from .settings import FALLBACK_MODES, Settings, read_settings
 
 DEVICE_NAME = "neuron"
+# The torch families the reference device is tested with (TorchNeuron 2.33 ships for 2.13 and 2.14;
+# PyPI's torch 2.14 is a CUDA build, so CI stays on 2.13).
+TESTED_TORCH = ("2.13",)
 _FALLBACK_CODES = {mode: code for code, mode in enumerate(FALLBACK_MODES)}
 
 
@@ -41,13 +45,14 @@ def activate() -> ReferenceState:
         return _state
     settings = read_settings()
     profile = load_profile(settings.profile)
+    _warn_if_untested_torch()
     extension = load_extension()
 
     extension.set_device_count(settings.device_count)
     extension.set_capacity(settings.device_memory)
     torch.utils.rename_privateuse1_backend(DEVICE_NAME)
     extension.register_hooks()
-    torch_module.bind(extension)
+    torch_module._bind(extension)
     torch._register_device_module(DEVICE_NAME, torch_module)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
     # Trainium's lower-precision dtype; torch.autocast("neuron", dtype=...) still overrides it.
@@ -62,6 +67,34 @@ def activate() -> ReferenceState:
     set_fallback_mode(settings.fallback)
     extension.set_fallback_copies(settings.fallback_copies)
     return _state
+
+
+def _warn_if_untested_torch() -> None:
+    family = ".".join(torch.__version__.split(".")[:2])
+    if family not in TESTED_TORCH:
+        warnings.warn(
+            f"The reference neuron device is tested with torch {', '.join(TESTED_TORCH)}, not torch {torch.__version__}: "
+            "building it anyway. When something fails, include `optimum-cli neuron-torch env` in the report.",
+            stacklevel=5,
+        )
+
+
+class _OpTracker:
+    """The reference device's op tracking, with the names of TorchNeuron's (`torch_neuronx.get_fallback_ops`...)."""
+
+    def get_fallback_ops(self) -> list[str]:
+        return [op for op, _, _ in state().extension.fallback_stats()]
+
+    def get_executed_ops(self) -> list[str]:
+        return list(state().extension.executed_ops())
+
+    def clear_op_tracking(self) -> None:
+        state().extension.clear_op_tracking()
+
+
+def op_tracker() -> _OpTracker:
+    """What records the ops that ran natively and those that fell back."""
+    return _OpTracker()
 
 
 def state() -> ReferenceState:

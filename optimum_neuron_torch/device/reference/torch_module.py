@@ -1,37 +1,40 @@
-"""The `torch.neuron` module of the reference device, with TorchNeuron's public API.
+"""The `_torch.neuron` module of the reference device: TorchNeuron's public functions, and no others.
 
-Registered as `torch.neuron` when the reference device is activated. Execution is synchronous,
-so streams and events are real objects whose waits return at once.
+Registered as `_torch.neuron` when the reference device is activated. Its public names are exactly
+those of TorchNeuron's `_torch.neuron` (tests compare the lists): a function that existed only here
+would let code pass on any machine and fail on Trainium. What the library needs beyond them lives in
+`optimum_neuron_torch.device`. Execution is synchronous, so streams and events are real objects
+whose waits return at once. Names imported for the implementation are private (`_torch`...).
 """
 
-from __future__ import annotations
 
-import contextlib
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Iterator
+import contextlib as _contextlib
+from collections import OrderedDict as _OrderedDict
+from collections.abc import Iterator as _Iterator
+from dataclasses import dataclass as _dataclass
+from typing import Any as _Any
 
-import torch
+import torch as _torch
 
-_C: Any = None  # the compiled extension, set by `bind()`
+_C: _Any = None  # the compiled extension, set by `bind()`
 
 
-def bind(extension: Any) -> None:
+def _bind(extension: _Any) -> None:
     """Connects this module to the compiled extension (done once, at activation)."""
     global _C
     _C = extension
 
 
-DeviceLike = torch.device | str | int | None
+_DeviceLike = _torch.device | str | int | None
 _PRIVATEUSE1_TYPE = 20  # c10::DeviceType::PrivateUse1
 
 
-def _index(device: DeviceLike = None) -> int:
+def _index(device: _DeviceLike = None) -> int:
     if device is None:
         return current_device()
     if isinstance(device, int):
         return device
-    device = torch.device(device)
+    device = _torch.device(device)
     if device.type != "neuron":
         raise ValueError(f"expected a neuron device, got {device}")
     return current_device() if device.index is None else device.index
@@ -45,6 +48,10 @@ def is_available() -> bool:
 
 def is_initialized() -> bool:
     return _C is not None
+
+
+def init() -> None:
+    """Nothing to start: the reference runtime is ready once activated (TorchNeuron starts its runtime here)."""
 
 
 def _lazy_init() -> None:
@@ -63,14 +70,14 @@ def current_device() -> int:
     return _C.current_device()
 
 
-def set_device(device: DeviceLike) -> None:
+def set_device(device: _DeviceLike) -> None:
     _C.set_current_device(_index(device))
 
 
 class device:
     """Context manager that makes `device` the current neuron device."""
 
-    def __init__(self, device: DeviceLike):
+    def __init__(self, device: _DeviceLike):
         self.index = _index(device)
         self.previous = -1
 
@@ -82,116 +89,122 @@ class device:
         set_device(self.previous)
 
 
-@dataclass(frozen=True)
+@_dataclass(frozen=True)
 class _DeviceProperties:
     name: str
     total_memory: int
     index: int
 
 
-def get_device_properties(device: DeviceLike = None) -> _DeviceProperties:
+def get_device_properties(device: _DeviceLike = None) -> _DeviceProperties:
     index = _index(device)
     if not 0 <= index < device_count():
         raise ValueError(f"invalid neuron device index {index}: there are {device_count()} devices")
     return _DeviceProperties(name=get_device_name(index), total_memory=_C.capacity(), index=index)
 
 
-def get_device_name(device: DeviceLike = None) -> str:
-    return f"Reference NeuronCore (host memory) {_index(device)}"
+def get_device_name(device: _DeviceLike = 0) -> str:
+    """`"neuron:<index>"`, as TorchNeuron names its devices."""
+    return f"neuron:{_index(device)}"
 
 
-def get_device_capability(device: DeviceLike = None) -> dict[str, Any]:
-    return {}
-
-
-def synchronize(device: DeviceLike = None) -> None:
+def synchronize(device: _DeviceLike = None) -> None:
     """Execution is synchronous: nothing is ever pending."""
 
 
-def is_bf16_supported(including_emulation: bool = True) -> bool:
+def is_bf16_supported() -> bool:
     return True
 
 
-def get_amp_supported_dtype() -> list[torch.dtype]:
-    return [torch.bfloat16, torch.float16]
+def get_amp_supported_dtype() -> list[_torch.dtype]:
+    return [_torch.float32, _torch.float16, _torch.bfloat16]
 
 
 # ---- random numbers ----
 
-def default_generator(device: DeviceLike = None) -> torch.Generator:
+def _default_generator(device: _DeviceLike = None) -> _torch.Generator:
     return _C.default_generator(_index(device))
 
 
 def manual_seed(seed: int) -> None:
-    default_generator().manual_seed(int(seed))
+    _default_generator().manual_seed(int(seed))
 
 
 def manual_seed_all(seed: int) -> None:
     for index in range(device_count()):
-        default_generator(index).manual_seed(int(seed))
+        _default_generator(index).manual_seed(int(seed))
 
 
 def seed() -> int:
-    return default_generator().seed()
+    return _default_generator().seed()
 
 
 def seed_all() -> None:
-    chosen = default_generator(0).seed()
+    chosen = _default_generator(0).seed()
     for index in range(1, device_count()):
-        default_generator(index).manual_seed(chosen)
+        _default_generator(index).manual_seed(chosen)
 
 
 def initial_seed() -> int:
-    return default_generator().initial_seed()
+    return _default_generator().initial_seed()
 
 
-def get_rng_state(device: DeviceLike = None) -> torch.Tensor:
-    return default_generator(device).get_state()
+def get_rng_state(device: _DeviceLike = None) -> _torch.Tensor:
+    return _default_generator(device).get_state()
 
 
-def set_rng_state(new_state: torch.Tensor, device: DeviceLike = None) -> None:
-    default_generator(device).set_state(new_state)
-
-
-def get_rng_state_all() -> list[torch.Tensor]:
-    return [get_rng_state(index) for index in range(device_count())]
-
-
-def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
-    for index, state in enumerate(new_states):
-        set_rng_state(state, index)
+def set_rng_state(new_state: _torch.Tensor, device: _DeviceLike = None) -> None:
+    _default_generator(device).set_state(new_state)
 
 
 # ---- streams and events ----
 
-class Stream(torch.Stream):
+class Stream(_torch.Stream):
     """A neuron stream. Work runs synchronously, so it is always complete."""
 
-    def __new__(cls, device: DeviceLike = None, priority: int = 0, **kwargs: Any) -> "Stream":
+    def __new__(cls, device: _DeviceLike = None, priority: int = 0, **kwargs: _Any) -> "Stream":
         if "stream_id" in kwargs:
             return super().__new__(cls, **kwargs)
-        return super().__new__(cls, device=torch.device("neuron", _index(device)), priority=priority)
+        return super().__new__(cls, device=_torch.device("neuron", _index(device)), priority=priority)
 
 
-def Event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> torch.Event:
-    """A neuron event (a `torch.Event`); `elapsed_time` measures host time between two records."""
-    return torch.Event(device="neuron", enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
+def Event(enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> _torch.Event:
+    """A neuron event (a `_torch.Event`); `elapsed_time` measures host time between two records."""
+    return _torch.Event(device="neuron", enable_timing=enable_timing, blocking=blocking, interprocess=interprocess)
 
 
-def current_stream(device: DeviceLike = None) -> torch.Stream:
-    return torch.accelerator.current_stream(torch.device("neuron", _index(device)))
+def current_stream(device: _DeviceLike = None) -> _torch.Stream:
+    return _torch.accelerator.current_stream(_torch.device("neuron", _index(device)))
 
 
-def default_stream(device: DeviceLike = None) -> torch.Stream:
-    return torch.Stream(stream_id=0, device_index=_index(device), device_type=_PRIVATEUSE1_TYPE)
+def default_stream(device: _DeviceLike = None) -> _torch.Stream:
+    return _torch.Stream(stream_id=0, device_index=_index(device), device_type=_PRIVATEUSE1_TYPE)
 
 
-def set_stream(stream: torch.Stream) -> None:
-    torch.accelerator.set_stream(stream)
+def set_stream(stream: _torch.Stream) -> None:
+    _torch.accelerator.set_stream(stream)
 
 
-@contextlib.contextmanager
-def stream(stream: torch.Stream | None) -> Iterator[None]:
+def wait_stream(stream: _torch.Stream) -> None:
+    """Makes the current stream wait for `stream`: work is synchronous, so it has finished."""
+    current_stream().wait_stream(stream)
+
+
+def wait_event(event: _torch.Event) -> None:
+    current_stream().wait_event(event)
+
+
+def record_event(event: _torch.Event | None = None) -> _torch.Event:
+    return current_stream().record_event(event)
+
+
+def query() -> bool:
+    """Whether the current stream's work is done (always, on the synchronous reference device)."""
+    return current_stream().query()
+
+
+@_contextlib.contextmanager
+def stream(stream: _torch.Stream | None) -> _Iterator[None]:
     """Makes `stream` current for the block."""
     if stream is None:
         yield
@@ -206,48 +219,43 @@ def stream(stream: torch.Stream | None) -> Iterator[None]:
 
 # ---- memory ----
 
-def memory_stats(device: DeviceLike = None) -> OrderedDict[str, Any]:
-    """Allocator statistics in the format of `torch.cuda.memory_stats`."""
-    return torch.accelerator.memory_stats(torch.device("neuron", _index(device)))
+def memory_stats(device: _DeviceLike = None) -> _OrderedDict[str, _Any]:
+    """Allocator statistics in the format of `_torch.cuda.memory_stats`."""
+    return _torch.accelerator.memory_stats(_torch.device("neuron", _index(device)))
 
 
-def memory_allocated(device: DeviceLike = None) -> int:
-    return torch.accelerator.memory_allocated(torch.device("neuron", _index(device)))
+def memory_allocated(device: _DeviceLike = None) -> int:
+    return _torch.accelerator.memory_allocated(_torch.device("neuron", _index(device)))
 
 
-def max_memory_allocated(device: DeviceLike = None) -> int:
-    return torch.accelerator.max_memory_allocated(torch.device("neuron", _index(device)))
+def max_memory_allocated(device: _DeviceLike = None) -> int:
+    return _torch.accelerator.max_memory_allocated(_torch.device("neuron", _index(device)))
 
 
-def memory_reserved(device: DeviceLike = None) -> int:
-    return torch.accelerator.memory_reserved(torch.device("neuron", _index(device)))
+def memory_reserved(device: _DeviceLike = None) -> int:
+    return _torch.accelerator.memory_reserved(_torch.device("neuron", _index(device)))
 
 
-def max_memory_reserved(device: DeviceLike = None) -> int:
-    return torch.accelerator.max_memory_reserved(torch.device("neuron", _index(device)))
+def max_memory_reserved(device: _DeviceLike = None) -> int:
+    return _torch.accelerator.max_memory_reserved(_torch.device("neuron", _index(device)))
 
 
-def reset_peak_memory_stats(device: DeviceLike = None) -> None:
-    torch.accelerator.reset_peak_memory_stats(torch.device("neuron", _index(device)))
+def reset_peak_memory_stats(device: _DeviceLike = None) -> None:
+    _torch.accelerator.reset_peak_memory_stats(_torch.device("neuron", _index(device)))
 
 
-def reset_accumulated_memory_stats(device: DeviceLike = None) -> None:
-    torch.accelerator.reset_accumulated_memory_stats(torch.device("neuron", _index(device)))
+def reset_accumulated_memory_stats(device: _DeviceLike = None) -> None:
+    _torch.accelerator.reset_accumulated_memory_stats(_torch.device("neuron", _index(device)))
 
 
 def empty_cache() -> None:
     """Nothing is cached: freed tensors return their memory at once."""
 
 
-def mem_get_info(device: DeviceLike = None) -> tuple[int, int]:
-    """(free, total) device memory in bytes."""
-    return torch.accelerator.get_memory_info(torch.device("neuron", _index(device)))
-
-
-def memory_summary(device: DeviceLike = None, abbreviated: bool = False) -> str:
+def memory_summary(device: _DeviceLike = None, abbreviated: bool = False) -> str:
     index = _index(device)
     stats = memory_stats(index)
-    free, total = mem_get_info(index)
+    free, total = _torch.accelerator.get_memory_info(_torch.device("neuron", index))
     rows = [
         ("allocated", stats.get("allocated_bytes.all.current", 0), stats.get("allocated_bytes.all.peak", 0)),
         ("reserved", stats.get("reserved_bytes.all.current", 0), stats.get("reserved_bytes.all.peak", 0)),
@@ -258,17 +266,17 @@ def memory_summary(device: DeviceLike = None, abbreviated: bool = False) -> str:
     return "\n".join(lines)
 
 
-# ---- op tracking (TorchNeuron has these on `torch_neuronx`) ----
+# ---- torch.compile metrics ----
 
-def get_fallback_ops() -> list[str]:
-    """Ops that fell back to CPU since start or the last `clear_op_tracking()`."""
-    return sorted(op for op, _, _ in _C.fallback_stats())
-
-
-def get_executed_ops() -> list[str]:
-    """Ops that ran natively since start or the last `clear_op_tracking()`."""
-    return sorted(_C.executed_ops())
+def get_dynamo_metrics() -> list[_Any]:
+    """Per-graph metrics of TorchNeuron's compiler; the reference device's compile cache counts its own
+    (`optimum_neuron_torch.compiler.cache_stats()`), so there are none here."""
+    return []
 
 
-def clear_op_tracking() -> None:
-    _C.clear_op_tracking()
+def reset_dynamo_metrics() -> None:
+    """Nothing is recorded (see `get_dynamo_metrics`)."""
+
+
+def _sleep(cycles: int) -> None:
+    """TorchNeuron's private test helper: nothing to wait for."""

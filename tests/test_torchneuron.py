@@ -1,0 +1,386 @@
+"""The library on TorchNeuron, tested against a stand-in with TorchNeuron's exact Python surface.
+
+`tests/torchneuron_standin/` is a package `torch_neuronx` (with a dist-info folder declaring
+TorchNeuron's `torch.backends` and `torch_dynamo_backends` entry points) that runs on the reference
+device's kernels. Each test runs a fresh interpreter with it on `PYTHONPATH`, so that PyTorch
+autoloads it at `import torch` as it autoloads TorchNeuron, and the library (in `auto` mode) must
+detect and use it. Every run also fails if the library touched a `torch.neuron` or `torch_neuronx`
+name that TorchNeuron does not have (the stand-in records such look-ups).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import optimum_neuron_torch as ont
+from tiny_models import TINY_MODELS, tiny_tokenizer
+
+STANDIN = Path(__file__).parent / "torchneuron_standin"
+CLI = os.path.join(os.path.dirname(sys.executable), "optimum-cli")
+
+# TorchNeuron's `torch.neuron`, from its source (../shared/design/torchneuron_api.md): public functions and classes.
+TORCHNEURON_FUNCTIONS = sorted(["is_initialized", "current_device", "set_device", "get_device_name", "device_count", "is_available", "init", "get_amp_supported_dtype", "manual_seed_all", "manual_seed", "seed", "seed_all", "initial_seed", "get_rng_state", "set_rng_state", "device", "Stream", "stream", "current_stream", "default_stream", "set_stream", "synchronize", "wait_stream", "wait_event", "record_event", "query", "Event", "get_device_properties", "reset_peak_memory_stats", "memory_stats", "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved", "reset_accumulated_memory_stats", "memory_summary", "empty_cache", "get_dynamo_metrics", "reset_dynamo_metrics", "is_bf16_supported"])
+
+
+class TorchNeuron:
+    """Runs Python code or the CLI in a fresh interpreter where the stand-in is installed."""
+
+    def __init__(self, root: Path, config: Path):
+        self.root = root
+        self.config = config
+        self.runs = 0
+
+    def environment(self, env: dict[str, str] | None) -> tuple[dict[str, str], Path]:
+        self.runs += 1
+        misses = self.root / f"misses-{self.runs}.txt"
+        inherited = {name: value for name, value in os.environ.items() if name != "OPTIMUM_NEURON_TORCH_BACKEND"}  # auto
+        full = {
+            **inherited,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(STANDIN), os.environ.get("PYTHONPATH")])),
+            "TORCH_NEURONX_STANDIN_CONFIG": str(self.config),
+            "TORCH_NEURONX_STANDIN_MISSES": str(misses),
+            "TORCH_NEURONX_NEFF_CACHE_DIR": str(self.root / "neff_cache"),
+            **(env or {}),
+        }
+        return full, misses
+
+    def _checked(self, result: subprocess.CompletedProcess, misses: Path) -> subprocess.CompletedProcess:
+        outside = misses.read_text().split() if misses.exists() else []
+        assert outside == [], f"the library used names TorchNeuron does not have: {outside}\n{result.stderr[-3000:]}"
+        return result
+
+    def python(self, code: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+        full, misses = self.environment(env)
+        result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                                env=full, timeout=timeout, check=False)
+        return self._checked(result, misses)
+
+    def cli(self, *args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+        full, misses = self.environment(env)
+        result = subprocess.run([CLI, "neuron-torch", *args], capture_output=True, text=True, env=full, timeout=timeout,
+                                check=False)
+        return self._checked(result, misses)
+
+
+@pytest.fixture(scope="module")
+def torchneuron(tmp_path_factory) -> TorchNeuron:
+    root = tmp_path_factory.mktemp("torchneuron")
+    # Loaded by path: putting the stand-in on this process's sys.path would make it look installed here.
+    spec = importlib.util.spec_from_file_location("standin_make_config", STANDIN / "make_config.py")
+    make_config = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_config)
+    make_config.write_config(root / "config.json")
+    return TorchNeuron(root, root / "config.json")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Path:
+    """A tiny Llama saved in 3 shards, with a tokenizer."""
+    folder = tmp_path_factory.mktemp("llama")
+    tiny = TINY_MODELS["llama"]
+    tiny.save(folder, shard_size="20KB")
+    tiny_tokenizer("llama").save_pretrained(folder)
+    assert len(list(folder.glob("*.safetensors"))) >= 3
+    return folder
+
+
+def _cpu_greedy(folder: Path, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor([prompt_ids])
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                          min_new_tokens=new_tokens)[0].tolist()
+
+
+def _last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+# ---- the surface ---------------------------------------------------------------------------------------------
+
+def test_reference_torch_neuron_has_exactly_torchneuron_functions(torchneuron):
+    reference = sorted(name for name in dir(torch.neuron) if not name.startswith("_"))
+    assert reference == TORCHNEURON_FUNCTIONS
+    result = torchneuron.python(
+        """
+        import inspect, json, torch
+        print(json.dumps(sorted(n for n in dir(torch.neuron) if not n.startswith("_")
+                                and not inspect.ismodule(getattr(torch.neuron, n)))))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert _last_json(result.stdout) == TORCHNEURON_FUNCTIONS
+
+
+def test_what_the_library_needs_beyond_torch_neuron_lives_in_its_device_module():
+    for name in ("mem_get_info", "get_rng_state_all", "set_rng_state_all", "get_device_capability",
+                 "get_fallback_ops", "get_executed_ops", "clear_op_tracking"):
+        assert not hasattr(torch.neuron, name), name
+    free, total = ont.device.mem_get_info()
+    assert total == torch.neuron.get_device_properties(0).total_memory and 0 < free <= total
+
+
+# ---- detection --------------------------------------------------------------------------------------------
+
+DETECT = """
+import warnings
+warnings.simplefilter("always")
+import torch
+try:
+    import optimum_neuron_torch as ont
+    info = ont.backend_info()
+    print(info.name, info.version, torch.neuron.__name__, torch.neuron.is_initialized())
+except Exception as error:
+    print(type(error).__name__, error)
+"""
+
+
+def test_autoloaded_torchneuron_is_detected_and_its_runtime_is_not_started(torchneuron):
+    result = torchneuron.python(
+        """
+        import os, torch
+        import optimum_neuron_torch as ont
+        info = ont.backend_info()
+        print(info.name, info.version, torch.neuron.__name__, str(info).startswith("torchneuron"))
+        print("initialized after import:", torch.neuron.is_initialized())
+
+        def child_uses_device():
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os._exit(0 if (torch.ones(2, device="neuron") + 1).sum().item() == 4 else 1)
+                except BaseException:
+                    os._exit(3)
+            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+        print("child after import:", child_uses_device())
+        print("memory:", info.device_memory > 0, torch.neuron.is_initialized())
+        print("child after the runtime started:", child_uses_device())
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "torchneuron 2.13.3.0 torch_neuronx.neuron True"
+    assert lines[1:] == ["initialized after import: False", "child after import: 0", "memory: True True",
+                         "child after the runtime started: 3"]  # the stand-in refuses a fork after start, as TorchNeuron
+
+
+def test_xla_era_torch_neuronx_falls_back_to_the_reference_device_with_one_warning(tmp_path):
+    (tmp_path / "torch_neuronx").mkdir()
+    (tmp_path / "torch_neuronx" / "__init__.py").write_text("__version__ = '2.1.2.2.3.0'  # XLA-based: no neuron device\n")
+    result = subprocess.run([sys.executable, "-c", DETECT], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": str(tmp_path)}, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[0] == "reference"
+    assert result.stderr.count("XLA-based torch-neuronx") == 1
+
+
+def test_torchneuron_without_neuron_cores(torchneuron):
+    # Autoloaded: the `neuron` slot is TorchNeuron's, so the error says how to keep it unloaded.
+    result = torchneuron.python(DETECT, env={"TORCH_NEURONX_STANDIN_CORES": "0"})
+    assert result.stdout.startswith("BackendUnavailableError") and "sees no NeuronCores" in result.stdout
+    assert "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in result.stdout
+    # Not autoloaded, and no /dev/neuron* here: the reference device, with one warning.
+    result = torchneuron.python(DETECT, env={"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[0] == "reference"
+    assert result.stderr.count("TorchNeuron is installed but this machine has no NeuronCores") == 1
+
+
+def test_forcing_a_backend_with_torchneuron_installed(torchneuron):
+    result = torchneuron.python(DETECT, env={"OPTIMUM_NEURON_TORCH_BACKEND": "reference"})
+    assert result.stdout.startswith("BackendConflictError") and "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in result.stdout
+    result = torchneuron.python(DETECT, env={"OPTIMUM_NEURON_TORCH_BACKEND": "reference", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert result.stdout.split()[0] == "reference" and "NeuronCores" not in result.stderr
+    result = torchneuron.python(DETECT, env={"OPTIMUM_NEURON_TORCH_BACKEND": "torchneuron", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert result.stdout.split()[:3] == ["torchneuron", "2.13.3.0", "torch_neuronx.neuron"], result.stdout + result.stderr
+
+
+def test_the_compile_backend_is_torchneuron_s_there_and_the_library_s_on_the_reference_device(torchneuron):
+    from importlib.metadata import entry_points
+
+    from optimum_neuron_torch.compiler.backend import neuron_backend
+
+    assert torch._dynamo.lookup_backend("neuron") is neuron_backend
+    assert not [ep for ep in entry_points(group="torch_dynamo_backends") if ep.value.startswith("optimum_neuron_torch")]
+    result = torchneuron.python(
+        """
+        import torch, optimum_neuron_torch
+        backend = torch._dynamo.lookup_backend("neuron")
+        print(backend.__module__)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "torch_neuronx.neuron_dynamo_backend.backend"
+
+
+# ---- models ----------------------------------------------------------------------------------------------
+
+def test_sharded_load_compiled_generate_pipeline_and_check(torchneuron, llama):
+    prompt = [5, 17, 42, 9, 77, 3, 101]
+    expected = _cpu_greedy(llama, prompt, 8)
+    result = torchneuron.python(
+        f"""
+        import json, torch, transformers, optimum_neuron_torch as ont
+        from torch_neuronx.neuron_dynamo_backend import backend
+
+        model = ont.NeuronAutoModelForCausalLM.from_pretrained({str(llama)!r})
+        devices = sorted({{str(t.device) for t in (*model.parameters(), *model.buffers())}})
+        ids = torch.tensor([{prompt}])
+        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        compiled = backend._stats["compiled"]
+        again = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        recompiled = backend._stats["compiled"] - compiled
+        generator = ont.pipeline("text-generation", model=model, tokenizer=transformers.AutoTokenizer.from_pretrained({str(llama)!r}))
+        text = generator("the capital of france is", max_new_tokens=4, do_sample=False)[0]["generated_text"]
+        report = ont.check(model)
+        print(json.dumps({{"devices": devices, "tokens": tokens[0].tolist(), "again": again[0].tolist(),
+                          "compiled": compiled, "recompiled": recompiled,
+                          "text": text, "backend": report.backend, "verdict": report.verdict}}))
+        """
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    out = _last_json(result.stdout)
+    assert out["devices"] == ["neuron:0"]
+    assert out["tokens"] == expected == out["again"]
+    assert out["compiled"] >= 2 and out["recompiled"] == 0  # prefill + decode, through TorchNeuron's backend
+    assert out["text"].startswith("the capital of france is")
+    assert out["backend"].startswith("torchneuron 2.13.3.0")
+
+
+def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llama, tmp_path):
+    saved = tmp_path / "saved"
+    compiled = torchneuron.cli("compile", str(llama), "--batch-sizes", "1", "--prompt-buckets", "16", "--max-length", "32",
+                               "--save", str(saved), env={"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff_a")})
+    assert compiled.returncode == 0, compiled.stderr[-5000:]
+    assert "graphs compiled by TorchNeuron" in compiled.stdout
+    assert "saved with TorchNeuron's compiled artifacts (2 neuron_neff)" in compiled.stdout, compiled.stdout
+    spec = json.loads((saved / "neuron_generation.json").read_text())
+    assert spec["torch_cache_artifacts"] == {"neuron_neff": 2} and spec["environment"]["backend"] == "torchneuron"
+
+    prompt = [5, 17, 42, 9]
+    expected = _cpu_greedy(llama, prompt, 6)
+    # Another machine: an empty NEFF cache, filled from the saved artifacts; nothing compiles.
+    result = torchneuron.python(
+        f"""
+        import json, os, torch, optimum_neuron_torch as ont
+        from torch_neuronx.neuron_dynamo_backend import backend
+
+        model = ont.NeuronAutoModelForCausalLM.from_pretrained({str(saved)!r})
+        neffs = sum(len(files) for _, _, files in os.walk(os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"]))
+        ids = torch.tensor([{prompt}])
+        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        print(json.dumps({{"neffs": neffs, "tokens": tokens[0].tolist(), **backend._stats}}))
+        """,
+        env={"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff_b")},
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    out = _last_json(result.stdout)
+    assert out["neffs"] == 2 and out["tokens"] == expected
+    assert out["compiled"] == 0 and out["neff_cache_hits"] == 2
+
+
+def test_saving_without_compiled_artifacts_says_so(torchneuron, llama, tmp_path):
+    result = torchneuron.python(
+        f"""
+        import optimum_neuron_torch as ont
+        model = ont.NeuronAutoModelForCausalLM.from_pretrained({str(llama)!r})
+        model.save_pretrained({str(tmp_path / "saved")!r})
+        """
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert "TorchNeuron recorded no compiled artifacts in this process" in result.stderr
+    assert not (tmp_path / "saved" / "neuron_compiled").exists()
+
+
+# ---- env and the fallback policy --------------------------------------------------------------------------
+
+def test_env_separates_user_settings_from_torchneuron_defaults(torchneuron, tmp_path):
+    result = torchneuron.cli("env", "--format", "json",
+                             env={"NEURON_RT_DBG_ZEROCOPY": "0", "TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff")})
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["backend"]["name"] == "torchneuron"
+    assert report["devices"][0]["name"] == "neuron:0" and report["devices"][0]["memory_bytes"] > 0
+    user, defaults = report["environment_variables"], report["torchneuron_defaults"]
+    assert user["NEURON_RT_DBG_ZEROCOPY"] == "0" and "NEURON_RT_DBG_ZEROCOPY" not in defaults
+    assert defaults["NEURON_LAUNCH_BLOCKING"] == "1" and "NEURON_LAUNCH_BLOCKING" not in user
+    assert defaults["TORCH_NEURONX_ENABLE_ASYNC_NRT"] == "1"
+    neff = report["neff_cache_variables"]
+    assert neff["TORCH_NEURONX_NEFF_CACHE_DIR"] == str(tmp_path / "neff")
+    assert neff["TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR"] == "/tmp/local_cache (default)"
+    assert {"TORCH_NEURONX_DISABLE_NEFF_CACHE", "TORCH_NEURONX_NEFF_DISABLE_CACHE"} <= neff.keys()
+    text = torchneuron.cli("env", env={"NEURON_RT_DBG_ZEROCOPY": "0"}).stdout
+    assert "set by TorchNeuron at import (its defaults):\n" in text and "  NEURON_LAUNCH_BLOCKING=1" in text
+
+
+@pytest.mark.parametrize("launch_blocking", ["1", "0"], ids=["synchronous", "asynchronous"])
+def test_fallback_policy_on_torchneuron(torchneuron, launch_blocking):
+    # Asynchronous: the stand-in's tracker shows ops only once synchronize() was called, as queued ops are recorded when they run.
+    result = torchneuron.python(
+        """
+        import warnings, torch, optimum_neuron_torch as ont
+
+        class Head(torch.nn.Module):
+            def forward(self, x):
+                return torch.argmax(x, dim=-1)  # not native on TorchNeuron: falls back
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body, self.head = torch.nn.Linear(4, 4), Head()
+            def forward(self, x):
+                return self.head(self.body(x))
+
+        net = Net().to("neuron")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            x = torch.randn(2, 4, device="neuron")  # aten::normal_ falls back outside any module
+            net(x); net(x)  # warn: once per op
+        print("warn:", [str(w.message).split(";")[0] for w in caught if "fell back" in str(w.message)])
+        print("policy:", ont.get_fallback_policy(), "ops:", ont.fallback_ops())
+        with ont.fallback_policy("error"):
+            for attempt in range(2):  # the op was seen under warn: it must raise all the same, each time
+                try:
+                    net(x)
+                    print("error: no error")
+                except NotImplementedError as error:
+                    print("error:", str(error).split(", and")[0])
+            print("error, native only:", net.body(x).shape)
+        ont.clear_op_tracking()
+        with ont.fallback_policy("silent"), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            net(x)
+        print("silent:", len([w for w in caught if "fell back" in str(w.message)]), ont.fallback_ops(),
+              ont.fallback_stats()["aten::argmax.out"])
+        """,
+        env={"NEURON_LAUNCH_BLOCKING": launch_blocking},
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert result.stdout.splitlines() == [
+        ("warn: [\"Operator 'aten::normal_' fell back to CPU (outside any module)\", "
+         "\"Operator 'aten::argmax.out' fell back to CPU (during a call of 'Net')\"]"),
+        "policy: warn ops: ['aten::argmax.out', 'aten::normal_']",
+        "error: Operator 'aten::argmax.out' fell back to CPU in module 'Net.head'",
+        "error: Operator 'aten::argmax.out' fell back to CPU in module 'Net.head'",
+        "error, native only: torch.Size([2, 4])",
+        "silent: 0 ['aten::argmax.out'] FallbackStats(calls=None, seconds=None)",
+    ]
+
+
+def test_untested_torch_warns_once(monkeypatch):
+    from optimum_neuron_torch.device import reference
+
+    monkeypatch.setattr(reference, "TESTED_TORCH", ("2.99",))
+    with pytest.warns(UserWarning, match=r"tested with torch 2\.99, not torch 2\.13"):
+        reference._warn_if_untested_torch()

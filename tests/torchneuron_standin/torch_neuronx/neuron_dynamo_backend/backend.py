@@ -1,0 +1,118 @@
+"""The `neuron` torch.compile backend, simulated: TorchNeuron's contract without its compiler.
+
+Like TorchNeuron's: AOTAutograd with `keep_inference_input_mutations=True`, static shapes only, a warning
+for modes other than "default", one `NeuronCompilationMetrics` per graph, and compiled graphs in a NEFF
+cache that MegaCache can carry. Unlike it, "compiling" only stores the graph's code as the NEFF (so keys
+and hits behave like TorchNeuron's cache) and execution runs the ATen graph eagerly on the device.
+`_stats` counts compilations and NEFF cache hits for tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch._aot_autograd.logging_utils import get_aot_graph_name
+from torch._functorch._aot_autograd.utils import make_boxed_func
+
+from torch_neuronx.neuron_dynamo_backend import _neff_cache
+from torch_neuronx.neuron_dynamo_backend import cache_artifact as _cache_artifact  # noqa: F401
+from torch_neuronx.neuron_dynamo_backend.metrics import (
+    NeuronCompilationMetrics,
+    record_compilation,
+)
+
+logger = logging.getLogger(__name__)
+
+_stats = {"compiled": 0, "neff_cache_hits": 0}
+_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def _is_symbolic(value) -> bool:
+    if isinstance(value, torch.SymInt):
+        return True
+    if isinstance(value, torch.Tensor):
+        return any(isinstance(size, torch.SymInt) for size in value.shape)
+    return False
+
+
+def _has_dynamic_shapes(gm: torch.fx.GraphModule, example_inputs) -> bool:
+    if any(_is_symbolic(value) for value in example_inputs):
+        return True
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if _is_symbolic(value):
+            return True
+    return False
+
+
+def _graph_key(gm: torch.fx.GraphModule, example_inputs) -> str:
+    """The NEFF cache key: the graph's code and its inputs' shapes and dtypes."""
+    digest = hashlib.sha256(gm.code.encode())
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            digest.update(f"|{tuple(value.shape)}:{value.dtype}".encode())
+        else:
+            digest.update(f"|{type(value).__name__}:{value!r}".encode())
+    return digest.hexdigest()[:64]
+
+
+def _has_collectives(gm: torch.fx.GraphModule) -> bool:
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            name = getattr(node.target, "__name__", str(node.target))
+            if any(collective in name for collective in _COLLECTIVES):
+                return True
+    return False
+
+
+def _make_fw_compiler(options: dict):
+    def neuron_backend_fx_compiler(gm: torch.fx.GraphModule, example_inputs):
+        """Looks the graph up in the NEFF cache, "compiles" it on a miss, and runs it eagerly."""
+        start = time.perf_counter_ns()
+        key = _graph_key(gm, example_inputs)
+        passes_done = time.perf_counter_ns()
+        if _neff_cache.get(key) is None:
+            _neff_cache.put(key, gm.code.encode())
+            _stats["compiled"] += 1
+            compile_us = (time.perf_counter_ns() - passes_done) // 1000
+        else:
+            _stats["neff_cache_hits"] += 1
+            compile_us = 0
+        _neff_cache.track(key)
+
+        model_name = options.get("model_name", "model_default")
+        aot_name = get_aot_graph_name()
+        compile_id = aot_name.split("__", 1)[-1] if "__" in aot_name else aot_name
+        record_compilation(
+            NeuronCompilationMetrics(
+                graph_id=key,
+                graph_name=f"{model_name}_{compile_id}",
+                model_name=model_name,
+                has_collectives=_has_collectives(gm),
+                graph_node_count=len(gm.graph.nodes),
+                timestamp=time.strftime("%Y%m%d_%H%M%S"),
+                torch_neuronx_fx_passes_us=(passes_done - start) // 1000,
+                torch_neuronx_lower_us=0,
+                torch_neuronx_compile_us=compile_us,
+            )
+        )
+        return make_boxed_func(gm.forward)
+
+    return neuron_backend_fx_compiler
+
+
+def neuron_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mode="default"):
+    """`torch.compile(backend="neuron")`: static shapes only; modes other than "default" are ignored."""
+    if mode != "default":
+        # TorchNeuron warns on the root logger.
+        logging.warning(f"Neuron backend does not support mode='{mode}', falling back to default mode.")  # noqa: LOG015
+    options = dict(options or {})
+    options.setdefault("dynamic", False)
+    if _has_dynamic_shapes(gm, example_inputs):
+        raise RuntimeError("Dynamic shapes detected in the model, but torch-neuronx requires static shapes")
+    backend = aot_autograd(fw_compiler=_make_fw_compiler(options), keep_inference_input_mutations=True)
+    return backend(gm, example_inputs)
