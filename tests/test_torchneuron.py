@@ -58,17 +58,16 @@ class TorchNeuron:
         assert outside == [], f"the library used names TorchNeuron does not have: {outside}\n{result.stderr[-3000:]}"
         return result
 
-    def python(self, code: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    def run(self, *command: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
         full, misses = self.environment(env)
-        result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                                env=full, timeout=timeout, check=False)
+        result = subprocess.run(command, capture_output=True, text=True, env=full, timeout=timeout, check=False)
         return self._checked(result, misses)
 
+    def python(self, code: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+        return self.run(sys.executable, "-c", textwrap.dedent(code), env=env, timeout=timeout)
+
     def cli(self, *args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-        full, misses = self.environment(env)
-        result = subprocess.run([CLI, "neuron-torch", *args], capture_output=True, text=True, env=full, timeout=timeout,
-                                check=False)
-        return self._checked(result, misses)
+        return self.run(CLI, "neuron-torch", *args, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -384,3 +383,31 @@ def test_untested_torch_warns_once(monkeypatch):
     monkeypatch.setattr(reference, "TESTED_TORCH", ("2.99",))
     with pytest.warns(UserWarning, match=r"tested with torch 2\.99, not torch 2\.13"):
         reference._warn_if_untested_torch()
+
+
+def test_the_standin_neuron_process_group_runs_collectives_across_processes(torchneuron, tmp_path):
+    # The `neuron` c10d backend that multi-core code meets on TorchNeuron: two ranks under torchrun, one core each.
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent(
+        """
+        import os, torch, torch.distributed as dist
+        import optimum_neuron_torch as ont
+
+        dist.init_process_group()  # no backend named: `neuron` for the neuron device
+        rank = dist.get_rank()
+        x = torch.full((3,), float(rank + 1), device="neuron")
+        dist.all_reduce(x)
+        gathered = torch.empty(6, device="neuron")
+        dist.all_gather_into_tensor(gathered, torch.arange(3.0, device="neuron") + 10 * rank)
+        line = (f"{rank} {ont.backend_info().name} {dist.get_default_backend_for_device('neuron')} "
+                f"{torch.neuron.get_device_name(0)} {x.cpu().tolist()} {gathered.cpu().tolist()}\\n")
+        os.write(1, line.encode())  # one write: the two ranks share stdout
+        dist.destroy_process_group()
+        """
+    ))
+    result = torchneuron.run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(script), env={"TORCH_NEURONX_STANDIN_CORES": "2"}, timeout=300)
+    assert result.returncode == 0, result.stderr[-5000:]
+    lines = sorted(result.stdout.strip().splitlines())
+    assert lines == [f"{rank} torchneuron neuron neuron:0 [3.0, 3.0, 3.0] [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]"
+                     for rank in (0, 1)]
