@@ -9,9 +9,16 @@ import textwrap
 
 import pytest
 import torch
+from hypothesis import settings
 
 import optimum_neuron_torch  # noqa: F401  (activates the neuron device)
 from optimum_neuron_torch.device import reference
+
+# Property-based tests draw the same examples in every run, CI's included (`ci`, the default); a longer,
+# random search: HYPOTHESIS_PROFILE=long python -m pytest tests/test_checkpoint_errors.py -k mutated
+settings.register_profile("ci", max_examples=60, derandomize=True, database=None, deadline=None, print_blob=True)
+settings.register_profile("long", max_examples=2000, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture

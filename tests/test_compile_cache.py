@@ -12,10 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import optimum_cli, run_python
 from optimum_neuron_torch import NeuronAutoModelForCausalLM
-from optimum_neuron_torch.compiler.cache import CACHE_ENV, CompileCache
+from optimum_neuron_torch.compiler.cache import CACHE_ENV, CompileCache, graph_key
 from tiny_models import TINY_MODELS
 
 # Loads the tiny Llama saved in sys.argv[1] with NeuronAutoModelForCausalLM, generates once, and
@@ -156,3 +157,36 @@ def test_cli_lists_reports_and_clears_the_cache(saved_llama, tmp_path):
     assert "graphs: 2" in cli("stats")
     assert "removed 2 compiled graphs" in cli("clear")
     assert "graphs: 0" in cli("stats")
+
+
+def test_the_key_tells_shapes_strides_dtypes_environments_and_options_apart():
+    gm = torch.fx.symbolic_trace(lambda x: torch.sin(x) * 2)
+    environment, options = {"torch": torch.__version__}, {}
+    base = torch.empty(4, 6)
+    variants = [
+        [base],
+        [torch.empty(6, 4)],  # shape
+        [torch.empty(6, 4).t()],  # same shape (4, 6), other strides
+        [torch.empty(4, 6, dtype=torch.bfloat16)],  # dtype
+    ]
+    keys = [graph_key(gm, inputs, environment, options) for inputs in variants]
+    keys.append(graph_key(gm, [base], {"torch": "0.0"}, options))
+    keys.append(graph_key(gm, [base], environment, {"max_autotune": True}))
+    assert len(set(keys)) == len(keys)
+    assert graph_key(gm, [torch.empty(4, 6)], dict(environment), {}) == keys[0]  # the same description, the same key
+
+
+def test_one_function_compiled_at_two_shapes_is_two_entries_with_right_results(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    torch._dynamo.reset()
+
+    def function(x):
+        return torch.sin(x) * 2 + x.sum()
+
+    compiled = torch.compile(function, backend="neuron", dynamic=False)
+    for size in (4, 8):
+        x = torch.randn(size)
+        torch.testing.assert_close(compiled(x.to("neuron")).cpu(), function(x))
+    entries = list(CompileCache(tmp_path / "cache").entries())
+    assert sorted(entry.metadata["input_shapes"] for entry in entries) == [[[4]], [[8]]]
+    torch._dynamo.reset()

@@ -222,3 +222,36 @@ def test_buckets():
     assert Buckets.from_dict(buckets.to_dict()) == buckets
     with pytest.raises(Exception, match="must be below max_length"):
         Buckets((1,), (64,), 64)
+
+
+def test_a_cache_filled_exactly_stays_compiled_and_one_past_falls_back(llama):
+    """max_length = BUCKETS.max_length = 64: 16 prompt + 48 new tokens fill the static cache to its last
+    slot on the compiled graphs; one token more is Transformers' eager generate(), with a warning."""
+    cpu, model = llama
+    ids = prompt(16, seed=11)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fall-back warning: the graphs serve it
+        full = model.generate(ids.to("neuron"), max_new_tokens=48, min_new_tokens=48, **GREEDY).cpu()
+    assert full.shape == (1, 64)
+    assert full.tolist() == cpu.generate(ids, max_new_tokens=48, min_new_tokens=48, **GREEDY).tolist()
+    with pytest.warns(UserWarning, match="cache holds 64"):
+        past = model.generate(ids.to("neuron"), max_new_tokens=49, min_new_tokens=49, **GREEDY).cpu()
+    assert past.tolist() == cpu.generate(ids, max_new_tokens=49, min_new_tokens=49, **GREEDY).tolist()
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma2", "gpt2"])
+def test_left_padding_with_and_without_a_mask_matches_eager(name, fresh_dynamo):
+    """A left-padded batch (pad id 0, which no prompt uses): with its attention mask, and with none, so
+    that generate() infers the mask from the pad tokens; both equal Transformers' eager generate()."""
+    cpu, model = compiled(name, Buckets((4,), (16,), 48))
+    lengths = (5, 12, 9)
+    ids = torch.zeros((3, 12), dtype=torch.long)
+    mask = torch.zeros((3, 12), dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, 12 - length:], mask[row, 12 - length:] = prompt(length, seed=20 + row)[0], 1
+    settings = dict(max_new_tokens=8, min_new_tokens=8, pad_token_id=0, **GREEDY)
+    with_mask = cpu.generate(ids, attention_mask=mask, **settings)
+    without_mask = cpu.generate(ids, **settings)
+    assert with_mask.tolist() == without_mask.tolist()  # the inferred mask is the same mask
+    assert model.generate(ids.to("neuron"), attention_mask=mask.to("neuron"), **settings).cpu().tolist() == with_mask.tolist()
+    assert model.generate(ids.to("neuron"), **settings).cpu().tolist() == without_mask.tolist()

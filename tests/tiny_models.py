@@ -31,11 +31,23 @@ class TinyModel:
         return self.config.is_encoder_decoder
 
     def build(self, seed: int = 0) -> PreTrainedModel:
-        torch.manual_seed(seed)
-        return self.auto_class.from_config(self.config).eval()
+        """The model with every floating parameter and saved buffer randomized under `seed`.
 
-    def save(self, folder: Path, dtype: torch.dtype = torch.float32, shard_size: str | None = None) -> Path:
-        model = self.build().to(dtype)
+        Transformers' init leaves norms at 1 and biases at 0: a tensor left at its init could not be
+        told from a loaded one, and a bug that skips it would pass. Each gets noise (std 0.1) on top."""
+        torch.manual_seed(seed)
+        model = self.auto_class.from_config(self.config).eval()
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            seen: set[int] = set()
+            for tensor in model.state_dict().values():  # parameters and persistent buffers
+                if tensor.is_floating_point() and tensor.data_ptr() not in seen:  # a tied tensor once
+                    seen.add(tensor.data_ptr())
+                    tensor.add_(0.1 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype))
+        return model
+
+    def save(self, folder: Path, dtype: torch.dtype = torch.float32, shard_size: str | None = None, seed: int = 0) -> Path:
+        model = self.build(seed).to(dtype)
         model.save_pretrained(folder, **({"max_shard_size": shard_size} if shard_size else {}))
         return folder
 
