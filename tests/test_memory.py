@@ -43,6 +43,16 @@ def test_mem_get_info_tracks_allocations():
     del held
 
 
+def test_torch_accelerator_memory_info_tracks_allocations():
+    """PyTorch's own query (the allocator's getMemoryInfo): free is the capacity less what is allocated."""
+    free, total = torch.accelerator.get_memory_info(torch.device("neuron", 0))
+    assert total == torch.neuron.get_device_properties(0).total_memory
+    assert free == total - torch.neuron.memory_reserved()
+    held = torch.empty(1 << 16, dtype=torch.uint8, device="neuron")
+    assert torch.accelerator.get_memory_info(torch.device("neuron", 0)) == (free - (1 << 16), total)
+    del held
+
+
 def test_out_of_memory_names_requested_allocated_and_capacity():
     result = run_python(
         """
