@@ -181,6 +181,8 @@ def _auto() -> BackendInfo:
     """TorchNeuron where it can run, else the reference device (with a warning that says why)."""
     if torchneuron_registered():
         return _activate_torchneuron()  # no NeuronCores: an error, the `neuron` slot is TorchNeuron's
+    if _is_reference() or importlib.util.find_spec(TORCHNEURON_MODULE) is None:
+        return _activate_reference()  # the usual case: no entry-point scan at start-up
     if torchneuron_installed():
         if neuron_cores_present():
             return _activate_torchneuron()
@@ -188,7 +190,7 @@ def _auto() -> BackendInfo:
             "TorchNeuron is installed but this machine has no NeuronCores: using optimum-neuron-torch's reference "
             f"neuron device instead (set {BACKEND_ENV}=reference to silence this warning).", stacklevel=4,
         )
-    elif importlib.util.find_spec(TORCHNEURON_MODULE) is not None and not _is_reference():
+    else:
         warnings.warn(
             f"The installed {TORCHNEURON_MODULE} is the XLA-based torch-neuronx of the older Neuron SDK (it has no "
             "`neuron` device), not TorchNeuron: using optimum-neuron-torch's reference neuron device instead "
