@@ -34,6 +34,9 @@ MODULES = [
     "optimum_neuron_torch.loading.safetensors_file",
     "optimum_neuron_torch.compiler.cache",
     "optimum_neuron_torch.generation.buckets",
+    "optimum_neuron_torch.generation.padding",
+    "optimum_neuron_torch.loading.loader",
+    "optimum_neuron_torch.fallbacks.policy",
 ]
 KILLED = {"killed", "timeout", "segfault"}
 # A mutant can make a test allocate without bound (one reached 10 GB on a 24 GB machine): each test
@@ -58,6 +61,68 @@ EQUIVALENT: dict[str, str] = {
         "the entry's own key, so {'key': key, **copied} is the same dict",
     "optimum_neuron_torch.compiler.cache.xǁCompileCacheǁadd__mutmut_14":
         "`'key'` -> `'KEY'`: same as add__mutmut_13",
+    "optimum_neuron_torch.fallbacks.policy.xǁ_Policyǁ__init____mutmut_1":
+        "`self._mode = ''` -> `None`: the initial mode only has to differ from 'error' (set() then clears TorchNeuron's tracking on entering it); None differs too",
+    "optimum_neuron_torch.fallbacks.policy.xǁ_Policyǁ__init____mutmut_2":
+        "`self._mode = ''` -> `'XXXX'`: same as __init____mutmut_1",
+    "optimum_neuron_torch.fallbacks.policy.xǁ_Policyǁ__init____mutmut_4":
+        "`self._reported = set()` -> `None`: set() assigns it whenever it creates the observer, the only reader",
+    "optimum_neuron_torch.fallbacks.policy.xǁ_Policyǁ__init____mutmut_12":
+        "default `'warn'` -> `'WARN'`, which `.lower()` turns back into 'warn'",
+    "optimum_neuron_torch.fallbacks.policy.xǁ_Policyǁ_warn_new_fallbacks__mutmut_12":
+        "`stacklevel=2` dropped: only the source line the warning is attributed to changes, and with either value it is a line of the library's module hooks (the text names the op and the module); no value can point at user code, whose depth under the hooks varies",
+    "optimum_neuron_torch.fallbacks.policy.xǁ_Policyǁ_warn_new_fallbacks__mutmut_13":
+        "`stacklevel=2` -> `3`: same as _warn_new_fallbacks__mutmut_12",
+    "optimum_neuron_torch.fallbacks.policy.x__name_caller__mutmut_20":
+        "`*error.args[1:]` -> `[2:]`: the refused-fallback error comes from the C++ dispatcher with one argument, so both slices are empty",
+    "optimum_neuron_torch.generation.padding.x_pad_token_id__mutmut_6":
+        "`0 <= pad` -> `1 <= pad`: differs only for pad == 0, where the else branch returns the same 0",
+    "optimum_neuron_torch.generation.padding.x_pad_token_id__mutmut_7":
+        "`0 <= pad` -> `0 < pad`: same as x_pad_token_id__mutmut_6",
+    "optimum_neuron_torch.generation.padding.x_pad_prompt__mutmut_9":
+        "the id padding made on the CPU instead of the ids' device: equal results here because the reference device's torch.cat accepts a CPU operand (compiled generation pads on the host anyway); TorchNeuron would refuse the mix, a leniency of the reference device recorded in MUTATION.md",
+    "optimum_neuron_torch.generation.padding.x_pad_prompt__mutmut_13":
+        "same as x_pad_prompt__mutmut_9 (device argument dropped)",
+    "optimum_neuron_torch.generation.padding.x_pad_prompt__mutmut_17":
+        "same as x_pad_prompt__mutmut_9, for the mask padding",
+    "optimum_neuron_torch.generation.padding.x_pad_prompt__mutmut_20":
+        "same as x_pad_prompt__mutmut_17 (device argument dropped)",
+    "optimum_neuron_torch.loading.loader.x_plan_loading__mutmut_5":
+        "tensors of a file planned in name order instead of byte order: only the order of reads changes (sequential reads are faster), every tensor is read either way",
+    "optimum_neuron_torch.loading.loader.x_plan_loading__mutmut_7":
+        "same as x_plan_loading__mutmut_5 (no sort key)",
+    "optimum_neuron_torch.loading.loader.x__tied_targets__mutmut_5":
+        "getattr default `{}` -> `None`: `None or {}` is the same empty set",
+    "optimum_neuron_torch.loading.loader.x_check_device_memory__mutmut_4":
+        "`mem_get_info(device)` -> `mem_get_info(None)` (the current device): the same device in every test process, which has one device, and from_pretrained resolves `neuron` to the current device before the check",
+    "optimum_neuron_torch.loading.loader.x_release__mutmut_4":
+        "`!= 'meta'` -> `!= 'XXmetaXX'`: a tensor already on meta is replaced by another empty meta tensor, the same thing",
+    "optimum_neuron_torch.loading.loader.x_release__mutmut_5":
+        "`!= 'meta'` -> `!= 'META'`: same as x_release__mutmut_4",
+    "optimum_neuron_torch.loading.loader.x_release__mutmut_6":
+        "released tensors set to None instead of meta tensors: release() runs only on a failed load whose model is then dropped; the device memory is given back either way (tested)",
+    "optimum_neuron_torch.loading.loader.x_stream_into__mutmut_2":
+        "the progress bar's total left out: display only (the bar itself is tested through _progress)",
+    "optimum_neuron_torch.loading.loader.x_stream_into__mutmut_3":
+        "the progress bar's name left out: display only",
+    "optimum_neuron_torch.loading.loader.x_stream_into__mutmut_7":
+        "`previous_file = None` -> `''`: differs from every file object alike",
+    "optimum_neuron_torch.loading.loader.x_stream_into__mutmut_8":
+        "prefetch() skipped on a file change (called for the other tensors instead): prefetch only starts kernel readahead, speed only",
+    "optimum_neuron_torch.loading.loader.x_stream_into__mutmut_9":
+        "prefetch() called for every tensor: readahead again, speed only",
+    "optimum_neuron_torch.loading.loader.x_stream_into__mutmut_10":
+        "`value = None` -> `''`: a placeholder overwritten before use; neither holds device memory",
+    "optimum_neuron_torch.loading.loader.x_stream_into__mutmut_11":
+        "`source = None` -> `''`: same as x_stream_into__mutmut_10",
+    "optimum_neuron_torch.loading.loader.x_stream_into__mutmut_28":
+        "`value = source = None` -> `''` after the copy: both drop the references, which is the point",
+    "optimum_neuron_torch.loading.loader.x_finalize__mutmut_6":
+        "`conversion_errors={}` -> `None`: Transformers' finalization reads it only when non-empty",
+    "optimum_neuron_torch.loading.loader.x_finalize__mutmut_7":
+        "`skipped_pp_keys=set()` -> `None`: read only for pipeline-parallel loading, which the library does not do",
+    "optimum_neuron_torch.loading.safetensors_file.xǁSafetensorsFileǁ__init____mutmut_20":
+        "`if size` -> `if size or True`: the header check before it refuses files under 8 bytes, so size is never 0 there",
 }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import shutil
 import struct
 
@@ -14,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import run_python
-from optimum_neuron_torch.errors import CheckpointError, UnsafeCheckpointError
+import optimum_neuron_torch.device
+from optimum_neuron_torch.errors import CheckpointError, InsufficientDeviceMemoryError, UnsafeCheckpointError
 from tiny_models import TINY_MODELS
 
 TINY = TINY_MODELS["llama"]
@@ -176,7 +178,9 @@ def test_duplicate_tensor_across_shards(sharded):
     moved = next(name for name in header if name != "__metadata__")
     header[extra_name] = header.pop(moved)
     write_with_header(second, header, data)
-    assert_refused(sharded, rf"tensor '{extra_name}': the tensor is also in")
+    message = (f"file {second}, tensor '{extra_name}': the tensor is also in {first.name}: "
+               "a checkpoint names each tensor once")
+    assert_refused(sharded, "^" + re.escape(message) + "$")
 
 
 def test_shape_mismatch_with_the_config(single):
@@ -184,7 +188,10 @@ def test_shape_mismatch_with_the_config(single):
     header, data = header_of(path)
     header["model.norm.weight"]["shape"] = [16, 2]
     write_with_header(path, header, data)
-    assert_refused(single, r"tensor 'model.norm.weight': its shape \[16, 2\] does not match the model's \[32\]")
+    assert_refused(single, "^" + re.escape(
+        f"file {path}, tensor 'model.norm.weight': its shape [16, 2] does not match the model's [32] for "
+        "model.norm.weight (config LlamaConfig); check that the config belongs to these weights, or pass "
+        "ignore_mismatched_sizes=True to initialize the mismatched weights afresh") + "$")
 
 
 def test_missing_shard_named_in_the_index(sharded):
@@ -206,9 +213,33 @@ def test_index_pointing_outside_the_folder(sharded, tmp_path):
 def test_index_naming_a_tensor_its_shard_lacks(sharded):
     index_path = sharded / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    index["weight_map"]["model.ghost.weight"] = next(iter(index["weight_map"].values()))
+    shard = next(iter(index["weight_map"].values()))
+    index["weight_map"]["model.ghost.weight"] = shard
     index_path.write_text(json.dumps(index))
-    assert_refused(sharded, r"tensor 'model.ghost.weight': the index places the tensor in .*, which does not contain it")
+    assert_refused(sharded, "^" + re.escape(f"file {sharded / shard}, tensor 'model.ghost.weight': the index places "
+                                            f"the tensor in {shard}, which does not contain it") + "$")
+
+
+def test_a_tensor_the_index_leaves_out_is_loaded_from_its_shard(sharded):
+    index_path = sharded / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"]["model.norm.weight"]
+    index_path.write_text(json.dumps(index))
+    loaded = TINY.neuron_class.from_pretrained(sharded)
+    assert torch.equal(loaded.model.norm.weight.cpu(), TINY.build().model.norm.weight)
+
+
+def test_index_placing_a_tensor_in_another_shard_than_its_own(sharded):
+    """A tensor the index assigns to a shard that does not hold it is refused (it used to be skipped,
+    leaving the weight at its random initialization)."""
+    index_path = sharded / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    name = next(name for name, shard in index["weight_map"].items() if shard == shards[0])
+    index["weight_map"][name] = shards[1]
+    index_path.write_text(json.dumps(index))
+    assert_refused(sharded, "^" + re.escape(f"file {sharded / shards[1]}, tensor '{name}': the index places the "
+                                            f"tensor in {shards[1]}, which does not contain it") + "$")
 
 
 def test_no_config(single):
@@ -256,6 +287,65 @@ def test_a_model_larger_than_free_device_memory_is_refused_before_loading(tmp_pa
     assert f"needs {needed / 1024:.2f} KiB of device memory in torch.float32 but neuron:0 has 48.83 KiB free (of 48.83 KiB)" in message
     assert "dtype=torch.bfloat16" in message
     assert allocated == "0"
+
+
+def test_the_memory_check_in_process_names_needed_free_and_total():
+    """The same refusal in this process (the subprocess above sets a small device): a model on the
+    meta device larger than the device, and the sizes written in the largest unit they reach."""
+    from optimum_neuron_torch.loading.loader import _size, check_device_memory
+
+    sizes = [0, 1023, 1024, 1536, 2**20 - 1, 2**20, 5 * 2**30 + 2**29]
+    assert [_size(n) for n in sizes] == ["0 bytes", "1023 bytes", "1.00 KiB", "1.50 KiB", "1024.00 KiB", "1.00 MiB", "5.50 GiB"]
+    free, total = optimum_neuron_torch.device.mem_get_info()
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(total // 4 // 1024 + 1, 1024, bias=False))  # one float32 weight > total
+    needed = model[0].weight.numel() * 4
+    with pytest.raises(InsufficientDeviceMemoryError) as caught:
+        check_device_memory(model, torch.device("neuron:0"), "huge-model")
+    assert str(caught.value) == (
+        f"huge-model needs {_size(needed)} of device memory in torch.float32 but neuron:0 has {_size(free)} free "
+        f"(of {_size(total)}). Load it in a smaller dtype (dtype=torch.bfloat16), free device memory (del unused "
+        "models), or use another device."
+    )
+    with torch.device("meta"):
+        small = torch.nn.Linear(4, 4)
+    check_device_memory(small, torch.device("neuron:0"), "small")  # fits: nothing raised
+
+
+def test_device_bytes_count_tied_weights_once_and_every_buffer():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from optimum_neuron_torch.loading.loader import _device_bytes
+
+    config = LlamaConfig(vocab_size=96, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+        model.register_buffer("persistent", torch.ones(7, dtype=torch.float64))  # in the state dict too
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    expected = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])  # each tensor once
+    assert _device_bytes(model) == expected
+    # As on the meta model the loader builds, before Transformers ties it: two tensors, one of them tied.
+    model.lm_head.weight = torch.nn.Parameter(torch.empty(96, 16, device="meta"))
+    assert model.all_tied_weights_keys and _device_bytes(model) == expected
+    model.all_tied_weights_keys = {}  # not tied at all: both count
+    assert _device_bytes(model) == expected + 96 * 16 * 4
+    model.lm_head.weight = model.model.embed_tokens.weight  # shared without being declared tied: once
+    assert _device_bytes(model) == expected
+
+
+def test_a_model_that_fills_free_device_memory_exactly_is_accepted():
+    from optimum_neuron_torch.loading.loader import check_device_memory
+
+    free, _ = optimum_neuron_torch.device.mem_get_info()
+    with torch.device("meta"):
+        model = torch.nn.Linear(1, 1, bias=False)  # 4 bytes
+        model.register_buffer("rest", torch.empty(free - 4, dtype=torch.uint8))
+    check_device_memory(model, torch.device("neuron:0"), "exact")  # needed == free: it fits
+    with torch.device("meta"):
+        model.register_buffer("rest", torch.empty(free - 3, dtype=torch.uint8))
+    with pytest.raises(InsufficientDeviceMemoryError, match=r"^one-byte-more needs "):
+        check_device_memory(model, torch.device("neuron:0"), "one-byte-more")
 
 
 @st.composite

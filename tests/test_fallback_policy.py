@@ -153,3 +153,212 @@ def test_eager_generate_on_the_device_takes_no_fallback(tmp_path):
     assert ont.fallback_ops() == []
     assert torch.equal(greedy.cpu(), cpu.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
     assert torch.equal(*sampled)
+
+
+# --- The TorchNeuron branch, in process ----------------------------------------------------------
+# TorchNeuron's fallback never reports itself: it records each op name once in a tracker that the
+# policy reads at module boundaries. tests/test_torchneuron.py runs this branch against the
+# TorchNeuron stand-in in a subprocess; these tests run it in this process (where mutation testing
+# can reach it) with a tracker that keeps TorchNeuron's conventions: names only, each once, until
+# cleared.
+
+
+class Tracker:
+    """TorchNeuron's fallback tracker: a set of op names, read and cleared."""
+
+    def __init__(self) -> None:
+        self.ops: set[str] = set()
+        self.clears = 0
+
+    def fallback_ops(self) -> list[str]:
+        return sorted(self.ops)
+
+    def clear_op_tracking(self) -> None:
+        self.ops.clear()
+        self.clears += 1
+
+
+class Falls(torch.nn.Module):
+    """Records the ops of `names` as fallen back when it runs, as TorchNeuron's CPU fallback does."""
+
+    def __init__(self, tracker: Tracker, *names: str) -> None:
+        super().__init__()
+        self.tracker, self.names = tracker, names
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.tracker.ops.update(self.names)
+        return x
+
+
+class Outer(torch.nn.Module):
+    def __init__(self, tracker: Tracker) -> None:
+        super().__init__()
+        self.first = Falls(tracker)
+        self.inner = Falls(tracker, "aten::cumprod", "aten::argmax")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(self.first(x))
+
+
+@pytest.fixture
+def torchneuron(monkeypatch):
+    """A policy object as it runs on TorchNeuron, its tracker, and a model that falls back."""
+    from optimum_neuron_torch.fallbacks import policy
+
+    tracker = Tracker()
+    monkeypatch.setattr(policy, "_on_reference", lambda: False)
+    monkeypatch.setattr(policy, "fallback_ops", tracker.fallback_ops)
+    monkeypatch.setattr(policy, "clear_op_tracking", tracker.clear_op_tracking)
+    monkeypatch.delenv("OPTIMUM_NEURON_TORCH_FALLBACK", raising=False)
+    created = []
+
+    def make():
+        created.append(policy._Policy())
+        return created[-1]
+
+    yield make, tracker, Outer(tracker)
+    for made in created:
+        made.set("silent")  # removes its global module hooks
+
+
+def test_torchneuron_error_refuses_a_fallback_when_the_module_that_ran_it_ends(torchneuron):
+    make, tracker, model = torchneuron
+    tracker.ops.add("aten::seen_before")
+    current = make()
+    assert current.mode == "warn" and tracker.clears == 0
+    current.set("error")
+    assert current.mode == "error"
+    assert tracker.clears == 1 and tracker.ops == set()  # entering `error`: earlier ops count again
+    current.set("error")
+    assert tracker.clears == 1  # staying in `error` clears nothing
+    with pytest.raises(NotImplementedError) as caught:
+        model(torch.ones(2))
+    assert str(caught.value) == (
+        "Operator 'aten::argmax' fell back to CPU in module 'Outer.inner' (also aten::cumprod), and "
+        "OPTIMUM_NEURON_TORCH_FALLBACK=error forbids fallbacks. On TorchNeuron the op has already run on "
+        "the CPU when this is raised (at the start or end of the module that ran it)."
+    )
+    assert tracker.ops == set()  # forgotten once reported: the next module is judged on its own ops
+    model.first(torch.ones(2))  # a module without fallbacks runs
+
+
+def test_torchneuron_error_lists_every_op_that_fell_back(torchneuron):
+    make, tracker, _ = torchneuron
+    make().set("error")
+    with pytest.raises(NotImplementedError, match=r"^Operator 'aten::a' fell back to CPU in module 'Falls' "
+                                                  r"\(also aten::b, aten::c\), and "):
+        Falls(tracker, "aten::c", "aten::a", "aten::b")(torch.ones(2))
+
+
+def test_torchneuron_error_names_code_outside_any_module(torchneuron):
+    make, tracker, model = torchneuron
+    current = make()
+    current.set("error")
+    tracker.ops.add("aten::nonzero")  # ran before the model call, outside any module
+    with pytest.raises(NotImplementedError, match=r"^Operator 'aten::nonzero' fell back to CPU in code outside any module, and"):
+        model(torch.ones(2))
+    assert tracker.ops == set()
+    # Refused before the model's forward began: the module stack is still balanced, so the next
+    # refusal names the right module.
+    with pytest.raises(NotImplementedError, match=r"^Operator 'aten::argmax' fell back to CPU in module 'Outer.inner' "):
+        model(torch.ones(2))
+    tracker.ops.add("aten::nonzero")
+    with pytest.raises(NotImplementedError, match="in code outside any module"):
+        model(torch.ones(2))
+
+
+def test_torchneuron_error_names_the_caller_of_a_submodule(torchneuron):
+    make, tracker, model = torchneuron
+    current = make()
+    current.set("error")
+
+    class Parent(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.child = Falls(tracker)
+
+        def forward(self, x):
+            tracker.ops.add("aten::sort")  # in the parent's own code, before it calls its child
+            return self.child(x)
+
+    with pytest.raises(NotImplementedError, match=r"^Operator 'aten::sort' fell back to CPU in module 'Parent', and"):
+        Parent()(torch.ones(2))
+
+
+def test_torchneuron_warn_once_per_op_after_the_outermost_call(torchneuron):
+    make, tracker, model = torchneuron
+    tracker.ops.add("aten::known")  # recorded before the policy existed: never warned
+    current = make()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.ones(2))
+        model(torch.ones(2))  # the same ops again: no new warning
+        tracker.ops.add("aten::topk")  # outside any module: warned when the next call starts
+        model(torch.ones(2))
+    messages = [str(warning.message) for warning in caught]
+    assert messages == [
+        "Operator 'aten::argmax' fell back to CPU (during a call of 'Outer'); see optimum_neuron_torch.fallback_ops().",
+        "Operator 'aten::cumprod' fell back to CPU (during a call of 'Outer'); see optimum_neuron_torch.fallback_ops().",
+        "Operator 'aten::topk' fell back to CPU (outside any module); see optimum_neuron_torch.fallback_ops().",
+    ]
+    assert tracker.clears == 0  # `warn` never clears what the user may read
+
+
+def test_torchneuron_warn_names_an_op_run_before_a_leaf_module_as_outside_any_module(torchneuron):
+    make, tracker, _ = torchneuron
+    make()
+    tracker.ops.add("aten::topk")  # before the call, outside any module
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Falls(tracker, "aten::sort")(torch.ones(2))  # a module without submodules
+    assert [str(warning.message).split(";")[0] for warning in caught] == [
+        "Operator 'aten::topk' fell back to CPU (outside any module)",
+        "Operator 'aten::sort' fell back to CPU (during a call of 'Falls')",
+    ]
+
+
+def test_torchneuron_silent_from_the_start_warns_nothing(torchneuron, monkeypatch):
+    make, tracker, model = torchneuron
+    monkeypatch.setenv("OPTIMUM_NEURON_TORCH_FALLBACK", "silent")
+    make()
+    tracker.ops.add("aten::topk")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.ones(2))
+    assert tracker.ops == {"aten::topk", "aten::argmax", "aten::cumprod"}
+
+
+def test_torchneuron_silent_removes_the_observer(torchneuron):
+    make, tracker, model = torchneuron
+    current = make()
+    current.set("silent")
+    assert current.mode == "silent"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.ones(2))  # recorded, not warned
+    assert tracker.ops == {"aten::argmax", "aten::cumprod"}
+    current.set("error")
+    with pytest.raises(NotImplementedError):
+        model(torch.ones(2))
+    current.set("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.ones(2))
+    assert len(caught) == 2  # the observer is back for `warn`
+
+
+def test_torchneuron_policy_from_the_environment(torchneuron, monkeypatch):
+    make, tracker, model = torchneuron
+    monkeypatch.setenv("OPTIMUM_NEURON_TORCH_FALLBACK", " Error ")
+    assert make().mode == "error"
+    monkeypatch.setenv("OPTIMUM_NEURON_TORCH_FALLBACK", "strict")
+    with pytest.raises(ConfigurationError, match="unknown fallback policy 'strict': use one of warn, error, silent."):
+        make()
+
+
+def test_torchneuron_fallback_stats_have_names_only(torchneuron):
+    from optimum_neuron_torch.fallbacks import policy
+
+    _, tracker, _ = torchneuron
+    tracker.ops.update({"aten::b", "aten::a"})
+    assert policy.fallback_stats() == {"aten::a": policy.FallbackStats(None, None), "aten::b": policy.FallbackStats(None, None)}

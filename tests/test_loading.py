@@ -132,9 +132,11 @@ def test_missing_and_unexpected_keys_are_reported_like_transformers(tmp_path):
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     _, expected = tiny.auto_class.from_pretrained(folder, output_loading_info=True)
     model = tiny.neuron_class.from_pretrained(folder)
-    assert model.neuron_loading_info["missing_keys"] == expected["missing_keys"] == {"model.layers.1.mlp.up_proj.weight"}
+    assert (model.neuron_loading_info["missing_keys"] == expected["missing_keys"]
+            == {"model.layers.1.mlp.up_proj.weight"})
     assert model.neuron_loading_info["unexpected_keys"] == expected["unexpected_keys"]
     assert model.model.layers[1].mlp.up_proj.weight.device.type == "neuron"  # initialized, on the device
+    assert model.neuron_loading_info == expected  # error_msgs and mismatched_keys included
 
 
 def test_mismatched_shapes_are_an_error_unless_ignored(tmp_path):
@@ -170,3 +172,44 @@ def test_sentence_embeddings_of_the_packaged_minilm_match_cpu():
     torch.testing.assert_close(norms, torch.ones(3))
     similarity = embeddings @ embeddings.T
     assert similarity[0, 2] > similarity[0, 1]  # real embeddings: related sentences are closer
+
+
+def test_the_load_report_names_the_checkpoint(tmp_path):
+    import logging
+
+    from safetensors.torch import load_file, save_file
+    from transformers.testing_utils import CaptureLogger
+
+    tiny = TINY_MODELS["llama"]
+    folder = tiny.save(tmp_path / "m")
+    weights = load_file(folder / "model.safetensors")
+    del weights["model.norm.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with CaptureLogger(logging.getLogger("transformers")) as captured:
+        tiny.neuron_class.from_pretrained(folder)
+    assert f"LOAD REPORT from: {folder}" in captured.out.replace("\x1b[1m", "").replace("\x1b[0m", "")
+    assert "model.norm.weight | MISSING" in captured.out
+
+
+@pytest.mark.parametrize("same_values", [True, False], ids=["same-values", "other-values"])
+def test_a_tied_weight_stored_in_the_checkpoint_is_loaded_like_transformers(same_values, tmp_path):
+    """Some checkpoints store the tied head too. Transformers ties it when it equals its source and
+    leaves it untied, with the stored values, when it differs (with a warning); so does the library."""
+    from safetensors.torch import load_file, save_file
+
+    tiny = TINY_MODELS["llama"]
+    folder = tiny.save(tmp_path / "m")
+    weights = load_file(folder / "model.safetensors")
+    assert "lm_head.weight" not in weights
+    embedding = weights["model.embed_tokens.weight"]
+    weights["lm_head.weight"] = embedding.clone() if same_values else embedding * 2 + 1
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    expected = tiny.auto_class.from_pretrained(folder)
+    before = torch.neuron.memory_allocated()
+    model = tiny.neuron_class.from_pretrained(folder)
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert tied == (expected.lm_head.weight is expected.model.embed_tokens.weight) == same_values
+    assert torch.equal(model.lm_head.weight.cpu(), expected.lm_head.weight)
+    assert torch.equal(model.model.embed_tokens.weight.cpu(), expected.model.embed_tokens.weight)
+    unique = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
+    assert torch.neuron.memory_allocated() - before == sum(unique.values())  # a retied copy is given back

@@ -482,3 +482,26 @@ def test_reserved_memory_is_the_allocated_memory_and_is_given_back():
     assert stats["reserved_bytes.all.current"] == stats["allocated_bytes.all.current"] == start_allocated + (1 << 16)
     del held
     assert torch.neuron.memory_reserved() == start_reserved and torch.neuron.memory_allocated() == start_allocated
+
+
+# --- the streaming loader -----------------------------------------------------------------------
+
+
+def test_a_loaded_parameter_keeps_whether_it_requires_grad():
+    from optimum_neuron_torch.loading.loader import _set_tensor
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model[0].bias.requires_grad_(False)  # a frozen parameter stays frozen once loaded
+    _set_tensor(model, "0.weight", torch.ones(2, 2))
+    _set_tensor(model, "0.bias", torch.zeros(2))
+    assert isinstance(model[0].bias, torch.nn.Parameter) and model[0].bias.requires_grad is False
+    assert model[0].weight.requires_grad is True and torch.equal(model[0].weight, torch.ones(2, 2))
+
+
+def test_the_loading_progress_bar_counts_bytes_of_the_model():
+    from optimum_neuron_torch.loading.loader import _progress
+
+    with _progress(3 * 2**20, "org/model") as bar:
+        assert (bar.total, bar.unit, bar.unit_scale, bar.unit_divisor) == (3 * 2**20, "B", True, 1024)
+        assert bar.desc == "Loading org/model" and bar.leave is False

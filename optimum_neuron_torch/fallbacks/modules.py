@@ -48,15 +48,22 @@ def observing_modules(on_enter: Listener, on_exit: Listener) -> Iterator[ModuleS
     observed: Dynamo traces the hooks away."""
     stack = ModuleStack()
 
+    # A listener may raise (the `error` policy does). The stack stays balanced all the same: PyTorch
+    # calls an `always_call` forward hook even when a pre-hook raised, so every enter pushes and
+    # every exit pops.
     def enter(module: nn.Module, args: object) -> None:
         if not torch.compiler.is_compiling():
-            on_enter(stack)
-            stack.push(module)
+            try:
+                on_enter(stack)
+            finally:
+                stack.push(module)
 
     def exit(module: nn.Module, args: object, output: object) -> None:
         if not torch.compiler.is_compiling():
-            on_exit(stack)
-            stack.pop()
+            try:
+                on_exit(stack)
+            finally:
+                stack.pop()
 
     handles = [
         nn.modules.module.register_module_forward_pre_hook(enter),

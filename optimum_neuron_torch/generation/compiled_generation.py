@@ -26,14 +26,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers import CompileConfig, EncoderDecoderCache, GenerationConfig, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
-from transformers.generation import GenerationMode, StoppingCriteria, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
+from transformers.generation import GenerationMode, StoppingCriteriaList
 from transformers.masking_utils import create_masks_for_generate
 from transformers.modeling_outputs import BaseModelOutput
-from transformers.utils import ModelOutput
 
 from ..compiler.backend import recording_cache_keys
 from .buckets import Buckets
+from .padding import PaddingRowsDone, UnpaddedStreamer, default_attention_mask, fill_rows, pad_prompt, pad_token_id, unpad
 
 COMPILE_CONFIG = CompileConfig(backend="neuron", fullgraph=True, dynamic=False, mode="default")
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -48,33 +47,6 @@ UNSUPPORTED_KWARGS = {
     "custom_generate": "custom_generate",
     "synced_gpus": "synced_gpus",
 }
-
-
-class _PaddingRowsDone(StoppingCriteria):
-    """Marks the rows added to fill a batch bucket as finished from the first token."""
-
-    def __init__(self, rows: int) -> None:
-        self.rows = rows
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
-        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        done[self.rows:] = True
-        return done
-
-
-class _UnpaddedStreamer(BaseStreamer):
-    """Hands a streamer the prompt without the padding added to reach the bucket."""
-
-    def __init__(self, streamer: BaseStreamer, padding: int) -> None:
-        self.streamer, self.padding, self.first = streamer, padding, True
-
-    def put(self, value: torch.Tensor) -> None:
-        if self.first:
-            self.first, value = False, value[..., self.padding:]
-        self.streamer.put(value)
-
-    def end(self) -> None:
-        self.streamer.end()
 
 
 @dataclass(frozen=True)
@@ -193,7 +165,8 @@ class CompiledGeneration:
         call_kwargs = self._padded_call(input_ids, config, shapes, kwargs)
         with self._serving():
             output = transformers_generate(generation_config=generation_config, **call_kwargs)
-        return self._unpad(output, shapes, input_ids.device)
+        columns = 0 if self.encoder_decoder else shapes.padded - shapes.prompt
+        return unpad(output, shapes.rows, columns, input_ids.device)
 
     def _plan(self, input_ids: torch.Tensor | None, config: GenerationConfig, kwargs: dict[str, Any]) -> _Shapes | str:
         """The padded shapes of this call, or why it cannot run compiled."""
@@ -236,34 +209,25 @@ class CompiledGeneration:
         kwargs = {name: value for name, value in kwargs.items() if name not in ("max_length", "min_length")}
         attention_mask = kwargs.pop("attention_mask", None)
         if attention_mask is None:
-            attention_mask = _default_attention_mask(input_ids, config)
+            attention_mask = default_attention_mask(input_ids, config)
         # The loop's bookkeeping (logits processors, token selection, stopping) stays on the host:
         # Transformers moves only the model inputs to the device, and the logits back, each step.
-        device = torch.device("cpu")
-        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        input_ids, attention_mask = input_ids.cpu(), attention_mask.cpu()
         if config.num_return_sequences and config.num_return_sequences > 1:
             input_ids = input_ids.repeat_interleave(config.num_return_sequences, dim=0)
             attention_mask = attention_mask.repeat_interleave(config.num_return_sequences, dim=0)
-        extra_rows = shapes.batch - shapes.rows
-        if extra_rows:  # copies of the first row, finished from the first token
-            input_ids = torch.cat([input_ids, input_ids[:1].expand(extra_rows, -1)])
-            attention_mask = torch.cat([attention_mask, attention_mask[:1].expand(extra_rows, -1)])
+        if shapes.batch > shapes.rows:
+            input_ids, attention_mask = fill_rows(input_ids, attention_mask, shapes.batch)
             stopping = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
-            kwargs["stopping_criteria"] = StoppingCriteriaList([*stopping, _PaddingRowsDone(shapes.rows)])
-        pad = shapes.padded - shapes.prompt
-        pad_id = _pad_token_id(config, self._vocab_size)
-        id_padding = torch.full((shapes.batch, pad), pad_id, dtype=input_ids.dtype, device=device)
-        mask_padding = torch.zeros((shapes.batch, pad), dtype=attention_mask.dtype, device=device)
-        if self.encoder_decoder:  # the encoder is padded on the right: its positions stay the same
-            input_ids = torch.cat([input_ids, id_padding], dim=1)
-            attention_mask = torch.cat([attention_mask, mask_padding], dim=1)
+            kwargs["stopping_criteria"] = StoppingCriteriaList([*stopping, PaddingRowsDone(shapes.rows)])
+        pad_id = pad_token_id(config, self._vocab_size)
+        input_ids, attention_mask = pad_prompt(input_ids, attention_mask, shapes.padded, pad_id, left=not self.encoder_decoder)
+        if self.encoder_decoder:
             kwargs["encoder_outputs"] = self._encode(input_ids.to(self.model.device), attention_mask.to(self.model.device))
-        else:  # decoders are padded on the left, as Transformers pads batches for generation
-            input_ids = torch.cat([id_padding, input_ids], dim=1)
-            attention_mask = torch.cat([mask_padding, attention_mask], dim=1)
+        else:
             kwargs["prefill_chunk_size"] = shapes.chunk
             if kwargs.get("streamer") is not None:
-                kwargs["streamer"] = _UnpaddedStreamer(kwargs["streamer"], pad)
+                kwargs["streamer"] = UnpaddedStreamer(kwargs["streamer"], shapes.padded - shapes.prompt)
         return {
             **kwargs,
             "input_ids": input_ids,
@@ -275,20 +239,6 @@ class CompiledGeneration:
             "cache_implementation": None,
             "compile_config": COMPILE_CONFIG,
         }
-
-    def _unpad(self, output: Any, shapes: _Shapes, device: torch.device) -> Any:
-        """The output of the padded call as the unpadded call would have returned it, on the
-        device of the input ids."""
-        columns = 0 if self.encoder_decoder else shapes.padded - shapes.prompt
-        if isinstance(output, torch.Tensor):
-            return output[: shapes.rows, columns:].to(device)
-        output.sequences = output.sequences[: shapes.rows, columns:].to(device)
-        for name in ("scores", "logits"):
-            if getattr(output, name, None) is not None:
-                setattr(output, name, tuple(step[: shapes.rows].to(device) for step in getattr(output, name)))
-        if isinstance(output, ModelOutput) and "cache" in output:
-            output.cache = None  # the static cache is the model's, reused by the next call
-        return output
 
     @contextlib.contextmanager
     def _serving(self) -> Iterator[None]:
@@ -315,7 +265,7 @@ class CompiledGeneration:
     def precompile(self, show_progress: bool = True) -> None:
         """Compiles (or loads from the compile cache) every graph of the bucket set."""
         combinations = [(batch, length) for batch in self.buckets.batch_sizes for length in self.buckets.prompt_lengths]
-        token = _pad_token_id(self.model.generation_config, self._vocab_size)
+        token = pad_token_id(self.model.generation_config, self._vocab_size)
         for batch, length in tqdm(combinations, desc="Compiling neuron graphs", disable=not show_progress):
             ids = torch.full((batch, length), token, dtype=torch.long, device=self.model.device)
             self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2, do_sample=False)
@@ -339,19 +289,3 @@ def _dense(value: Any) -> Any:
     if value.stride() != tuple(reversed(expected)):
         return value.clone(memory_format=torch.contiguous_format)
     return value
-
-
-def _pad_token_id(config: GenerationConfig, vocab_size: int) -> int:
-    """A token id for the padding (masked, so any id in the vocabulary): the pad token, else 0."""
-    pad = config.pad_token_id
-    return int(pad) if isinstance(pad, int) and 0 <= pad < vocab_size else 0
-
-
-def _default_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
-    """The mask Transformers infers when none is given: pad tokens are masked when the pad token
-    is not also an end-of-sequence token."""
-    pad = config.pad_token_id
-    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-    if pad is not None and pad not in eos and bool((input_ids == pad).any()):
-        return (input_ids != pad).long()
-    return torch.ones_like(input_ids, dtype=torch.long)

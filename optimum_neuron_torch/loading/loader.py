@@ -61,18 +61,12 @@ def _model_key(name: str, model_keys: dict[str, torch.Tensor], renamings: list[W
     return None
 
 
-def _tied_targets(model: PreTrainedModel) -> set[str]:
-    """Keys of weights tied to another (the same tensor once tied)."""
-    return set(getattr(model, "all_tied_weights_keys", {}) or {})
-
-
 def plan_loading(
     model: PreTrainedModel, checkpoint: Checkpoint, files: list, renamings: list[WeightRenaming], ignore_mismatched_sizes: bool
 ) -> _Plan:
     """Matches checkpoint tensors to model keys and checks the checkpoint against the model.
     The targets come in file order, then byte order, the order to read them in."""
     model_keys = model.state_dict()
-    tied_targets = _tied_targets(model)
     seen: dict[str, Any] = {}
     plan = _Plan()
     for file in files:
@@ -82,8 +76,6 @@ def plan_loading(
                     f"the tensor is also in {seen[name].path.name}: a checkpoint names each tensor once", file=str(file.path), tensor=name
                 )
             seen[name] = file
-            if checkpoint.index is not None and checkpoint.index.get(name, file.path) != file.path:
-                continue  # the index assigns this tensor to another shard
             key = _model_key(name, model_keys, renamings, model.base_model_prefix)
             if key is None:
                 plan.unexpected.add(name)
@@ -99,19 +91,26 @@ def plan_loading(
                     )
                 plan.mismatched.add((key, entry.shape, expected_shape))
                 continue
-            if key not in tied_targets:  # a tied weight is the same tensor as its source: tied later
-                plan.targets[key] = (file, name)
+            # A tied weight stored in the checkpoint is loaded too: Transformers' finalization then ties it
+            # when it equals its source, and leaves it untied when it differs, as its own loading does.
+            plan.targets[key] = (file, name)
     if checkpoint.index is not None:
         for name, shard in checkpoint.index.items():
-            if name not in seen:
+            if name not in seen or seen[name].path != shard:  # (not where the index says: refused, not skipped)
                 raise CheckpointError(
                     f"the index places the tensor in {shard.name}, which does not contain it", file=str(shard), tensor=name
                 )
     return plan
 
 
+def _tied_targets(model: PreTrainedModel) -> set[str]:
+    """Keys of weights tied to another (one tensor once the model is tied, two before)."""
+    return set(getattr(model, "all_tied_weights_keys", {}) or {})
+
+
 def _device_bytes(model: PreTrainedModel) -> int:
-    """Bytes of every parameter and buffer the loaded model holds on the device (tied ones once)."""
+    """Bytes of every parameter and buffer the loaded model holds on the device (tied ones once:
+    on the meta model they are not tied yet)."""
     tied_targets = _tied_targets(model)
     tensors = {key: t for key, t in model.state_dict(keep_vars=True).items() if key not in tied_targets}
     tensors.update(model.named_buffers())
