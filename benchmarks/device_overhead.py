@@ -25,8 +25,8 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 TARGET_US = 2.0
 
@@ -270,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     info = backend_info()
     print("device_overhead: neuron vs CPU, per-call time")
     print(f"  backend      : {info}")
-    print(f"  profile      : {ARGS.profile} (OPTIMUM_NEURON_TORCH_PROFILE={os.environ['OPTIMUM_NEURON_TORCH_PROFILE']}, "
+    print(f"  profile      : {ARGS.profile} "
+          f"(OPTIMUM_NEURON_TORCH_PROFILE={os.environ['OPTIMUM_NEURON_TORCH_PROFILE']}, "
           f"fallback {os.environ['OPTIMUM_NEURON_TORCH_FALLBACK']})")
     print(f"  threads      : torch.get_num_threads() = {torch.get_num_threads()} (--threads {ARGS.threads})")
     print(f"  machine      : {os.cpu_count()} CPUs, {cpu_model_name()}, Python {platform.python_version()}, "
@@ -310,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     llama = results[-1]
     print()
     print(f"tiny Llama: hidden {config.hidden_size}, intermediate {config.intermediate_size}, "
-          f"{config.num_hidden_layers} layers, {config.num_attention_heads} heads / {config.num_key_value_heads} kv heads, "
+          f"{config.num_hidden_layers} layers, {config.num_attention_heads} heads / "
+          f"{config.num_key_value_heads} kv heads, "
           f"vocab {config.vocab_size}, input 1x16, eval, no_grad, use_cache=False, "
           f"attn {getattr(config, '_attn_implementation', None)}")
     print(f"  ATen ops per forward: {cpu_ops} on CPU, {neuron_ops} on neuron; overhead {llama.overhead_us:.1f} us "

@@ -6,14 +6,16 @@ A Llama built from a config (`--model default`: hidden 512, 8 layers, vocab 3200
 parameters; `--model small`: hidden 128, 4 layers, vocab 1000, where per-op overhead rather than
 reading the weights dominates a decode step; fixed seed, nothing downloaded) is saved once, or the
 embedded real model is used (`--model smollm2`: SmolLM2-135M-Instruct, the library's default
-model, 30 layers, vocab 49152); each variant then runs in its own process, with the same thread count, on a 32-token prompt with 64 greedy new tokens, at batch 1 and 4:
+model, 30 layers, vocab 49152); each variant then runs in its own process, with the same thread
+count, on a 32-token prompt with 64 greedy new tokens, at batch 1 and 4:
 - time to first token (a `max_new_tokens=1` call; the first one includes compiling);
 - decode tokens/s per sequence: 63 / (time of a 64-token call - time to first token), best of 3;
 - graphs compiled and recompiles (Dynamo counters); for the library, the compile-cache counters.
 The library runs twice on the same compile cache, in two processes: cold (empty cache) and warm.
 
 Usage:
-    python benchmarks/generate.py [--model default|small|smollm2] [--threads 1] [--dtypes float32,bfloat16] [--batches 1,4]
+    python benchmarks/generate.py [--model default|small|smollm2] [--threads 1] [--dtypes float32,bfloat16]
+                                  [--batches 1,4]
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from pathlib import Path
 NEW_TOKENS = 64
 PROMPT = 32
 MODELS = {
-    "default": dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
-                    num_key_value_heads=8),
+    "default": dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                    num_attention_heads=8, num_key_value_heads=8),
     "small": dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2),
 }
@@ -71,7 +73,8 @@ def child(variant: str, folder: str, dtype_name: str, batches: list[int], thread
 
     results = {}
     for batch in batches:
-        ids = torch.randint(4, model.config.vocab_size, (batch, PROMPT), generator=torch.Generator().manual_seed(batch)).to(device)
+        ids = torch.randint(4, model.config.vocab_size, (batch, PROMPT),
+                            generator=torch.Generator().manual_seed(batch)).to(device)
         first_token = run(ids, 1)  # the first call compiles what it needs
         full = run(ids, NEW_TOKENS)  # warms up the decode graphs
         graphs_after_warm_up = counters["stats"]["unique_graphs"]
@@ -121,7 +124,8 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     print(f"model: {args.model} {MODELS.get(args.model, 'SmolLM2-135M-Instruct')}")
-    print(f"threads: {args.threads}; torch {torch.__version__}; prompt {PROMPT} tokens, {NEW_TOKENS} new tokens, greedy")
+    print(f"threads: {args.threads}; torch {torch.__version__}; prompt {PROMPT} tokens, "
+          f"{NEW_TOKENS} new tokens, greedy")
     with tempfile.TemporaryDirectory() as scratch:
         if args.model == EMBEDDED:
             from optimum_neuron_torch import default_model_path
@@ -144,15 +148,20 @@ def report(dtype: str, batches: list[int], results: dict) -> None:
     for batch in batches:
         for variant in VARIANTS:
             row = results[variant][str(batch)]
-            print(f"| {batch} | {variant} | {row['first_call_ttft_s']:.2f} | {row['ttft_s']:.3f} | {row['decode_tok_s']:.1f} | "
+            print(f"| {batch} | {variant} | {row['first_call_ttft_s']:.2f} | {row['ttft_s']:.3f} | "
+                  f"{row['decode_tok_s']:.1f} | "
                   f"{row['graphs']} | {row['recompiles_after_warm_up']} |")
-        eager, recipe, library = (results[variant][str(batch)]["decode_tok_s"] for variant in ("eager", "static+compile", "library warm"))
-        cold, warm = (results[variant][str(batch)]["first_call_ttft_s"] for variant in ("library cold", "library warm"))
-        print(f"| {batch} | ratios | warm/cold first-call TTFT {warm / cold:.0%} | | library/eager {library / eager:.2f}x, "
+        eager, recipe, library = (results[variant][str(batch)]["decode_tok_s"]
+                                  for variant in ("eager", "static+compile", "library warm"))
+        cold, warm = (results[variant][str(batch)]["first_call_ttft_s"]
+                      for variant in ("library cold", "library warm"))
+        print(f"| {batch} | ratios | warm/cold first-call TTFT {warm / cold:.0%} | | "
+              f"library/eager {library / eager:.2f}x, "
               f"library/recipe {library / recipe:.2f}x | | |")
     for variant in ("library cold", "library warm"):
         cache = results[variant]["cache"]
-        print(f"{variant}: compile cache {cache['hits']} hits, {cache['misses']} misses, {cache['compile_s']:.1f} s compiling")
+        print(f"{variant}: compile cache {cache['hits']} hits, {cache['misses']} misses, "
+              f"{cache['compile_s']:.1f} s compiling")
 
 
 if __name__ == "__main__":

@@ -156,15 +156,18 @@ def main() -> None:
                       f"peak host extra {best['peak_host_extra'] / 2**20:8.0f} MiB", flush=True)
 
     print()
-    print("| page cache | load as | raw read s | touch s | transformers s | library s | library vs raw | library vs transformers | transformers peak host MiB | library peak host MiB |")
+    print("| page cache | load as | raw read s | touch s | transformers s | library s | library vs raw "
+          "| library vs transformers | transformers peak host MiB | library peak host MiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for cache in ("warm", "cold"):
         for dtype_name in ("bfloat16", "float32"):
             raw, touch, hf, ours = (results[(cache, dtype_name, mode)] for mode in MODES)
             print(f"| {cache} | {dtype_name} | {raw['seconds']:.2f} | {touch['seconds']:.2f} | {hf['seconds']:.2f} | "
-                  f"{ours['seconds']:.2f} | {raw['seconds'] / ours['seconds']:.2f}x | {hf['seconds'] / ours['seconds']:.2f}x | "
+                  f"{ours['seconds']:.2f} | {raw['seconds'] / ours['seconds']:.2f}x | "
+                  f"{hf['seconds'] / ours['seconds']:.2f}x | "
                   f"{hf['peak_host_extra'] / 2**20:.0f} | {ours['peak_host_extra'] / 2**20:.0f} |")
-    print(f"\nbound for the library's peak host memory: largest tensor + 256 MiB = {(largest + (256 << 20)) / 2**20:.0f} MiB")
+    print(f"\nbound for the library's peak host memory: largest tensor + 256 MiB = "
+          f"{(largest + (256 << 20)) / 2**20:.0f} MiB")
 
 
 def _header(path: Path) -> dict:

@@ -62,7 +62,8 @@ EQUIVALENT: dict[str, str] = {
     "optimum_neuron_torch.compiler.cache.xǁCompileCacheǁadd__mutmut_14":
         "`'key'` -> `'KEY'`: same as add__mutmut_13",
     "optimum_neuron_torch.fallbacks.policy.xǁ_Policyǁ__init____mutmut_1":
-        "`self._mode = ''` -> `None`: the initial mode only has to differ from 'error' (set() then clears TorchNeuron's tracking on entering it); None differs too",
+        "`self._mode = ''` -> `None`: the initial mode only has to differ from 'error' (set() then clears "
+        "TorchNeuron's tracking on entering it); None differs too",
     "optimum_neuron_torch.fallbacks.policy.xǁ_Policyǁ__init____mutmut_2":
         "`self._mode = ''` -> `'XXXX'`: same as __init____mutmut_1",
     "optimum_neuron_torch.fallbacks.policy.xǁ_Policyǁ__init____mutmut_4":
@@ -70,17 +71,22 @@ EQUIVALENT: dict[str, str] = {
     "optimum_neuron_torch.fallbacks.policy.xǁ_Policyǁ__init____mutmut_12":
         "default `'warn'` -> `'WARN'`, which `.lower()` turns back into 'warn'",
     "optimum_neuron_torch.fallbacks.policy.xǁ_Policyǁ_warn_new_fallbacks__mutmut_12":
-        "`stacklevel=2` dropped: only the source line the warning is attributed to changes, and with either value it is a line of the library's module hooks (the text names the op and the module); no value can point at user code, whose depth under the hooks varies",
+        "`stacklevel=2` dropped: only the source line the warning is attributed to changes, and with either "
+        "value it is a line of the library's module hooks (the text names the op and the module); no value "
+        "can point at user code, whose depth under the hooks varies",
     "optimum_neuron_torch.fallbacks.policy.xǁ_Policyǁ_warn_new_fallbacks__mutmut_13":
         "`stacklevel=2` -> `3`: same as _warn_new_fallbacks__mutmut_12",
     "optimum_neuron_torch.fallbacks.policy.x__name_caller__mutmut_20":
-        "`*error.args[1:]` -> `[2:]`: the refused-fallback error comes from the C++ dispatcher with one argument, so both slices are empty",
+        "`*error.args[1:]` -> `[2:]`: the refused-fallback error comes from the C++ dispatcher with one "
+        "argument, so both slices are empty",
     "optimum_neuron_torch.generation.padding.x_pad_token_id__mutmut_6":
         "`0 <= pad` -> `1 <= pad`: differs only for pad == 0, where the else branch returns the same 0",
     "optimum_neuron_torch.generation.padding.x_pad_token_id__mutmut_7":
         "`0 <= pad` -> `0 < pad`: same as x_pad_token_id__mutmut_6",
     "optimum_neuron_torch.generation.padding.x_pad_prompt__mutmut_9":
-        "the id padding made on the CPU instead of the ids' device: equal results here because the reference device's torch.cat accepts a CPU operand (compiled generation pads on the host anyway); TorchNeuron would refuse the mix, a leniency of the reference device recorded in MUTATION.md",
+        "the id padding made on the CPU instead of the ids' device: equal results here because the reference "
+        "device's torch.cat accepts a CPU operand (compiled generation pads on the host anyway); TorchNeuron "
+        "would refuse the mix, a leniency of the reference device recorded in MUTATION.md",
     "optimum_neuron_torch.generation.padding.x_pad_prompt__mutmut_13":
         "same as x_pad_prompt__mutmut_9 (device argument dropped)",
     "optimum_neuron_torch.generation.padding.x_pad_prompt__mutmut_17":
@@ -88,19 +94,24 @@ EQUIVALENT: dict[str, str] = {
     "optimum_neuron_torch.generation.padding.x_pad_prompt__mutmut_20":
         "same as x_pad_prompt__mutmut_17 (device argument dropped)",
     "optimum_neuron_torch.loading.loader.x_plan_loading__mutmut_5":
-        "tensors of a file planned in name order instead of byte order: only the order of reads changes (sequential reads are faster), every tensor is read either way",
+        "tensors of a file planned in name order instead of byte order: only the order of reads changes "
+        "(sequential reads are faster), every tensor is read either way",
     "optimum_neuron_torch.loading.loader.x_plan_loading__mutmut_7":
         "same as x_plan_loading__mutmut_5 (no sort key)",
     "optimum_neuron_torch.loading.loader.x__tied_targets__mutmut_5":
         "getattr default `{}` -> `None`: `None or {}` is the same empty set",
     "optimum_neuron_torch.loading.loader.x_check_device_memory__mutmut_4":
-        "`mem_get_info(device)` -> `mem_get_info(None)` (the current device): the same device in every test process, which has one device, and from_pretrained resolves `neuron` to the current device before the check",
+        "`mem_get_info(device)` -> `mem_get_info(None)` (the current device): the same device in every test "
+        "process, which has one device, and from_pretrained resolves `neuron` to the current device before "
+        "the check",
     "optimum_neuron_torch.loading.loader.x_release__mutmut_4":
-        "`!= 'meta'` -> `!= 'XXmetaXX'`: a tensor already on meta is replaced by another empty meta tensor, the same thing",
+        "`!= 'meta'` -> `!= 'XXmetaXX'`: a tensor already on meta is replaced by another empty meta tensor, "
+        "the same thing",
     "optimum_neuron_torch.loading.loader.x_release__mutmut_5":
         "`!= 'meta'` -> `!= 'META'`: same as x_release__mutmut_4",
     "optimum_neuron_torch.loading.loader.x_release__mutmut_6":
-        "released tensors set to None instead of meta tensors: release() runs only on a failed load whose model is then dropped; the device memory is given back either way (tested)",
+        "released tensors set to None instead of meta tensors: release() runs only on a failed load whose "
+        "model is then dropped; the device memory is given back either way (tested)",
     "optimum_neuron_torch.loading.loader.x_stream_into__mutmut_2":
         "the progress bar's total left out: display only (the bar itself is tested through _progress)",
     "optimum_neuron_torch.loading.loader.x_stream_into__mutmut_3":
@@ -108,7 +119,8 @@ EQUIVALENT: dict[str, str] = {
     "optimum_neuron_torch.loading.loader.x_stream_into__mutmut_7":
         "`previous_file = None` -> `''`: differs from every file object alike",
     "optimum_neuron_torch.loading.loader.x_stream_into__mutmut_8":
-        "prefetch() skipped on a file change (called for the other tensors instead): prefetch only starts kernel readahead, speed only",
+        "prefetch() skipped on a file change (called for the other tensors instead): prefetch only starts "
+        "kernel readahead, speed only",
     "optimum_neuron_torch.loading.loader.x_stream_into__mutmut_9":
         "prefetch() called for every tensor: readahead again, speed only",
     "optimum_neuron_torch.loading.loader.x_stream_into__mutmut_10":
@@ -122,7 +134,8 @@ EQUIVALENT: dict[str, str] = {
     "optimum_neuron_torch.loading.loader.x_finalize__mutmut_7":
         "`skipped_pp_keys=set()` -> `None`: read only for pipeline-parallel loading, which the library does not do",
     "optimum_neuron_torch.loading.safetensors_file.xǁSafetensorsFileǁ__init____mutmut_20":
-        "`if size` -> `if size or True`: the header check before it refuses files under 8 bytes, so size is never 0 there",
+        "`if size` -> `if size or True`: the header check before it refuses files under 8 bytes, so size is "
+        "never 0 there",
 }
 
 
@@ -169,7 +182,8 @@ def report(statuses: dict[str, str]) -> bool:
         score = killed / relevant if relevant else 1.0
         ok &= score >= TARGET_SCORE and len(survivors) == len(equivalent) and bool(mutants)
         print(f"{module:<50} {len(mutants):>6} {killed:>7} {len(survivors):>9} {len(equivalent):>11} {score:>7.1%}")
-    unexplained = [(name, status) for name, status in statuses.items() if status not in KILLED and name not in EQUIVALENT]
+    unexplained = [(name, status) for name, status in statuses.items()
+                   if status not in KILLED and name not in EQUIVALENT]
     if unexplained:
         print("\nSurvivors neither killed nor judged equivalent (`mutmut show NAME` shows the diff):")
         for name, status in unexplained:

@@ -36,7 +36,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    chats = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                           tokenize=False)
              for prompt in args.prompts]
     batch = tokenizer(chats, padding=True, return_tensors="pt", add_special_tokens=False)
 
@@ -44,7 +45,7 @@ def main() -> None:
     lengths = batch["attention_mask"].sum(dim=1).tolist()
     padded, _ = buckets.prompt_shape_for(batch["input_ids"].shape[1])
     print(f"{len(chats)} prompts of {lengths} tokens -> batch bucket {buckets.batch_size_for(len(chats))}, "
-          f"prompt bucket {padded} (buckets: batch {buckets.batch_sizes}, prompt {buckets.prompt_lengths})")
+          f"prompt bucket {padded} (buckets: batch {buckets.batch_sizes}, prompt {buckets.prompt_buckets})")
 
     def generate(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         tokens = model.generate(**{name: value.to("neuron") for name, value in inputs.items()},
@@ -53,9 +54,10 @@ def main() -> None:
 
     answers = generate(batch)
     same = True
-    for chat, prompt, answer in zip(chats, args.prompts, answers):
+    for chat, prompt, answer in zip(chats, args.prompts, answers, strict=True):
         alone = generate(tokenizer([chat], return_tensors="pt", add_special_tokens=False))[0]
-        same &= torch.equal(answer[: len(alone)], alone) and bool((answer[len(alone):] == tokenizer.pad_token_id).all())
+        same &= torch.equal(answer[: len(alone)], alone) and bool(
+            (answer[len(alone):] == tokenizer.pad_token_id).all())
         print(f"{prompt!r} -> {tokenizer.decode(answer, skip_special_tokens=True)!r}")
     print(f"same answers as one prompt at a time: {same}")
     if not same:

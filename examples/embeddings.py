@@ -38,7 +38,8 @@ def packaged_minilm() -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="a sentence-transformers Hub id or folder (default: the packaged all-MiniLM-L6-v2)")
+    parser.add_argument("--model",
+                        help="a sentence-transformers Hub id or folder (default: the packaged all-MiniLM-L6-v2)")
     parser.add_argument("--sentences", nargs="+", default=SENTENCES)
     args = parser.parse_args()
 
@@ -50,7 +51,7 @@ def main() -> None:
 
     normalized = torch.nn.functional.normalize(embeddings, dim=-1)
     similarities = (normalized @ normalized.T).cpu()
-    for sentence, row in zip(args.sentences, similarities):
+    for sentence, row in zip(args.sentences, similarities, strict=True):
         print(f"{sentence[:40]:<40} " + " ".join(f"{value:5.2f}" for value in row.tolist()))
     best = max(((i, j) for i in range(len(args.sentences)) for j in range(i)), key=lambda pair: similarities[pair])
     print(f"most similar pair: {args.sentences[best[1]]!r} and {args.sentences[best[0]]!r}")

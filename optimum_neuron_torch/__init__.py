@@ -4,26 +4,26 @@
 the bundled reference device everywhere else.
 """
 
-__version__ = "0.1.0.dev0"
-
-from .device import backend_info, clear_op_tracking, executed_ops, fallback_ops  # noqa: E402
-from .device.backend import activate as _activate  # noqa: E402
+from .device import (
+    FallbackStats,
+    backend_info,
+    clear_op_tracking,
+    executed_ops,
+    fallback_ops,
+    fallback_stats,
+)
+from .device.selection import activate as _activate
+from .version import __version__
 
 if _activate().name == "reference":
     # TorchNeuron brings its own `neuron` compile backend; the reference device gets the library's.
-    from .compiler.backend import register as _register_compile_backend  # noqa: E402
+    from .compiler.dynamo_backend import register as _register_compile_backend
 
     _register_compile_backend()
 
-from .check import check  # noqa: E402
-from .fallbacks import (  # noqa: E402
-    FallbackStats,
-    fallback_policy,
-    fallback_stats,
-    get_fallback_policy,
-    native_generation_ops,
-    set_fallback_policy,
-)
+from .compatibility import check  # noqa: E402
+from .fallbacks import fallback_policy, get_fallback_policy, set_fallback_policy  # noqa: E402
+from .generation.native_ops import native_generation_ops  # noqa: E402
 from .loading import DEFAULT_MODEL, default_model_path  # noqa: E402
 from .modeling import (  # noqa: E402
     NeuronAutoModel,

@@ -1,13 +1,49 @@
-"""Errors raised by optimum-neuron-torch: each names what is at fault and what to do."""
+"""Every error optimum-neuron-torch raises on purpose: each names what is at fault and what to do.
+
+All derive from `NeuronTorchError` and from the builtin error of the same kind, so that `except
+NeuronTorchError` catches everything the library refuses, while `except ValueError` (or
+`FileNotFoundError`, `ImportError`, `RuntimeError`, `TypeError`, `torch.OutOfMemoryError`) keeps
+catching what it caught before each error got its own class.
+
+Two refusals keep the builtin type of the layer they mirror: the functions of `torch.neuron`
+raise what TorchNeuron's raise, and an op refused by the `error` fallback policy raises
+`NotImplementedError`, as PyTorch does for an op without a kernel (on the reference device it comes
+from the C++ dispatcher, which cannot raise a Python subclass).
+
+    NeuronTorchError
+    ├── ConfigurationError (ValueError)             a setting or argument with a value the library cannot use
+    ├── ArgumentTypeError (TypeError)               an argument of a type the function does not take
+    ├── BackendUnavailableError (RuntimeError)      the `neuron` backend asked for cannot be activated
+    │   ├── BackendConflictError                    another library owns PyTorch's PrivateUse1 slot
+    │   └── ReferenceDeviceBuildError               the reference device's C++ extension did not build
+    ├── CheckpointError (ValueError)                a checkpoint that cannot be loaded (file and tensor named)
+    │   ├── CheckpointNotFoundError (FileNotFoundError)
+    │   └── UnsafeCheckpointError                   pickled weights, not allowed
+    ├── UnsupportedModelError (ValueError)          no model of this Auto class for the checkpoint's config
+    ├── MissingDependencyError (ImportError)        an optional package the call needs is not installed
+    ├── InsufficientDeviceMemoryError (torch.OutOfMemoryError)
+    ├── UnsupportedGraphError (RuntimeError)        a graph TorchNeuron's compiler cannot take
+    └── LoweringError (RuntimeError)                a graph that does not lower to StableHLO
+"""
 
 from __future__ import annotations
+
+import torch
 
 
 class NeuronTorchError(Exception):
     """Base class of every error this library raises on purpose."""
 
 
-class BackendUnavailableError(NeuronTorchError):
+class ConfigurationError(NeuronTorchError, ValueError):
+    """An environment variable or argument has a value this library cannot use."""
+
+
+class ArgumentTypeError(NeuronTorchError, TypeError):
+    """An argument of a type the function does not take, or a keyword argument it does not know."""
+
+
+class BackendUnavailableError(NeuronTorchError, RuntimeError):
     """The `neuron` backend that was asked for (or any backend) cannot be activated."""
 
 
@@ -19,11 +55,7 @@ class ReferenceDeviceBuildError(BackendUnavailableError):
     """The reference device's C++ extension could not be built or loaded."""
 
 
-class ConfigurationError(NeuronTorchError, ValueError):
-    """An environment variable or argument has a value this library cannot use."""
-
-
-class CheckpointError(NeuronTorchError):
+class CheckpointError(NeuronTorchError, ValueError):
     """A checkpoint cannot be loaded: names the file (and tensor) at fault and what to do."""
 
     def __init__(self, message: str, *, file: str | None = None, tensor: str | None = None):
@@ -33,9 +65,31 @@ class CheckpointError(NeuronTorchError):
         self.tensor = tensor
 
 
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """A checkpoint, or a file it names, does not exist."""
+
+
 class UnsafeCheckpointError(CheckpointError):
     """The checkpoint is pickled (`pytorch_model.bin`) and pickled weights were not allowed."""
 
 
-class InsufficientDeviceMemoryError(NeuronTorchError):
+class UnsupportedModelError(NeuronTorchError, ValueError):
+    """The Auto class has no model for the checkpoint's configuration."""
+
+
+class MissingDependencyError(NeuronTorchError, ImportError):
+    """An optional package the call needs is not installed; the message says which and how to get it."""
+
+
+class InsufficientDeviceMemoryError(NeuronTorchError, torch.OutOfMemoryError):
     """The model does not fit in the device's free memory; raised before anything is loaded."""
+
+
+class UnsupportedGraphError(NeuronTorchError, RuntimeError):
+    """A graph TorchNeuron's compiler cannot take (dynamic shapes; ops it cannot lower while graph
+    splitting is disabled)."""
+
+
+class LoweringError(NeuronTorchError, RuntimeError):
+    """A graph does not lower to StableHLO, so TorchNeuron's compiler could not take it; the
+    message is Torch-MLIR's first diagnostic."""

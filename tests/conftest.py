@@ -1,11 +1,9 @@
-"""Shared test setup: the `neuron` device is activated once for the session."""
+"""Shared test setup: the `neuron` device is activated once for the session; the fixtures. (The
+helper functions are in testing_utils.py.)"""
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -19,6 +17,29 @@ from optimum_neuron_torch.device import reference
 settings.register_profile("ci", max_examples=60, derandomize=True, database=None, deadline=None, print_blob=True)
 settings.register_profile("long", max_examples=2000, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# `python -m pytest` runs one pytest-xdist worker per core (pyproject's addopts). Torch's intra-op
+# threads, one per core in every worker and in every subprocess a test starts, would then contend for
+# the same cores: one thread each (a value the caller set is kept).
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the subprocesses
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # this worker
+
+# The files that take longest (on 2 cores, with a fresh cache) run first, longest first. pytest-xdist
+# gives each worker whole files (`--dist loadfile` in pyproject's addopts: a file's module-scoped
+# fixtures, such as a compiled model, are then built once); a long file handed out last would keep one
+# worker busy alone at the end. The other files follow in their usual order; tests within a file keep
+# theirs.
+SLOW_FILES_FIRST = [
+    "test_opinfo.py", "test_examples.py", "test_torchneuron.py", "test_default_model.py", "test_notebooks.py",
+    "test_generation.py", "test_compile_cache.py", "test_checkpoint_errors.py", "test_check.py", "test_commands.py",
+    "test_pipelines.py", "test_patches.py",
+]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: index for index, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture
@@ -36,23 +57,3 @@ def profile():
     yield reference.set_profile
     reference.set_profile(previous)
 
-
-def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Runs `code` in a fresh interpreter (same cache dir, so no rebuild) and returns the result."""
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env, timeout=timeout
-    )
-
-
-def optimum_cli(*args: str, env: dict[str, str] | None = None, input: str | None = None,
-                timeout: float = 300) -> subprocess.CompletedProcess:
-    """Runs `optimum-cli neuron-torch ARGS` from this interpreter's environment, `input` on its stdin."""
-    command = [os.path.join(os.path.dirname(sys.executable), "optimum-cli"), "neuron-torch", *args]
-    return subprocess.run(command, capture_output=True, text=True, env={**os.environ, **(env or {})}, input=input,
-                          timeout=timeout)
-
-
-def assert_same(device_value: torch.Tensor, cpu_value: torch.Tensor, **tolerances) -> None:
-    assert device_value.device.type == "neuron"
-    torch.testing.assert_close(device_value.cpu(), cpu_value, **tolerances)

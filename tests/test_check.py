@@ -10,9 +10,10 @@ import pytest
 import torch
 
 import optimum_neuron_torch as ont
-from conftest import optimum_cli
-from optimum_neuron_torch.check import BLOCKED, NEEDS_PATCHES, RUNS_NATIVELY, RUNS_WITH_FALLBACKS
+from optimum_neuron_torch.compatibility import BLOCKED, NEEDS_PATCHES, RUNS_NATIVELY, RUNS_WITH_FALLBACKS
+from optimum_neuron_torch.errors import ArgumentTypeError
 from test_patches import CASES
+from testing_utils import optimum_cli
 from tiny_models import TINY_MODELS
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*float64 in .* is computed in float32:UserWarning")
@@ -54,7 +55,8 @@ def test_complex_rope_is_reported_then_fixed_by_its_patch():
     assert unpatched.verdict == BLOCKED
     [complex_use] = [use for use in unpatched.dtypes if use.dtype == "complex64"]
     assert "aten::view_as_complex" in complex_use.ops
-    assert {"Llama4ForCausalLM.model.rotary_emb", "Llama4ForCausalLM.model.layers.0.self_attn"} <= set(complex_use.modules)
+    assert {"Llama4ForCausalLM.model.rotary_emb",
+            "Llama4ForCausalLM.model.layers.0.self_attn"} <= set(complex_use.modules)
 
     report = ont.check(model)
     assert report.verdict == NEEDS_PATCHES
@@ -110,6 +112,35 @@ def test_a_hand_built_module_reports_fallbacks_and_unlowered_ops():
         "aten::argmax.out": {"Zeta": 1}, "aten::special_zeta.out": {"Zeta": 1},
     }
     assert any("zeta" in item.op and "StableHLO" in item.reason for item in report.unlowered_ops), report.unlowered_ops
+
+
+class ZetaOfTwo(torch.nn.Module):
+    """Two positional tensors: linear(x) + y -> special.zeta -> argmax (two fallbacks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.special.zeta((self.linear(x) + y).abs() + 2, 1.5).argmax(-1)
+
+
+def test_positional_example_inputs_give_the_report_of_keyword_ones():
+    torch.manual_seed(0)
+    model, x, y = ZetaOfTwo(), torch.randn(4, 8), torch.randn(4, 8)
+    by_name = ont.check(model, {"x": x, "y": y})
+    by_position = ont.check(model, (x, y))  # as torch.export / torch.compile users pass them
+    assert by_position.eager_error is None and by_position.compile_error is None  # tensors moved to the device
+    assert {item.op for item in by_position.fallbacks} == {"aten::argmax.out", "aten::special_zeta.out"}
+    assert by_position.to_dict() == by_name.to_dict()
+    as_list = ont.check(model, [x, y], compile=False)
+    assert as_list.eager_error is None and as_list.fallbacks == by_name.fallbacks
+
+
+def test_example_inputs_of_another_type_are_refused():
+    with pytest.raises(ArgumentTypeError, match=r"^check\(\): `example_inputs` takes a dict of keyword arguments or a "
+                       r"tuple \(or list\) of positional arguments of the model's forward, not Tensor\.$"):
+        ont.check(Zeta(), torch.randn(4, 8))
 
 
 def test_renderings_agree(folders):

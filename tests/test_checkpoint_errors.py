@@ -14,9 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import run_python
 import optimum_neuron_torch.device
 from optimum_neuron_torch.errors import CheckpointError, InsufficientDeviceMemoryError, UnsafeCheckpointError
+from testing_utils import run_python
 from tiny_models import TINY_MODELS
 
 TINY = TINY_MODELS["llama"]
@@ -198,7 +198,8 @@ def test_missing_shard_named_in_the_index(sharded):
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     victim = sorted(set(index["weight_map"].values()))[-1]
     (sharded / victim).unlink()
-    assert_refused(sharded, rf"model.safetensors.index.json, tensor '.*': the index names the shard {victim}, which is missing")
+    assert_refused(sharded, rf"model.safetensors.index.json, tensor '.*': the index names the shard {victim}, "
+                            r"which is missing")
 
 
 def test_index_pointing_outside_the_folder(sharded, tmp_path):
@@ -220,15 +221,6 @@ def test_index_naming_a_tensor_its_shard_lacks(sharded):
                                             f"the tensor in {shard}, which does not contain it") + "$")
 
 
-def test_a_tensor_the_index_leaves_out_is_loaded_from_its_shard(sharded):
-    index_path = sharded / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    del index["weight_map"]["model.norm.weight"]
-    index_path.write_text(json.dumps(index))
-    loaded = TINY.neuron_class.from_pretrained(sharded)
-    assert torch.equal(loaded.model.norm.weight.cpu(), TINY.build().model.norm.weight)
-
-
 def test_index_placing_a_tensor_in_another_shard_than_its_own(sharded):
     """A tensor the index assigns to a shard that does not hold it is refused (it used to be skipped,
     leaving the weight at its random initialization)."""
@@ -240,6 +232,15 @@ def test_index_placing_a_tensor_in_another_shard_than_its_own(sharded):
     index_path.write_text(json.dumps(index))
     assert_refused(sharded, "^" + re.escape(f"file {sharded / shards[1]}, tensor '{name}': the index places the "
                                             f"tensor in {shards[1]}, which does not contain it") + "$")
+
+
+def test_a_tensor_the_index_leaves_out_is_loaded_from_its_shard(sharded):
+    index_path = sharded / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    del index["weight_map"]["model.norm.weight"]
+    index_path.write_text(json.dumps(index))
+    loaded = TINY.neuron_class.from_pretrained(sharded)
+    assert torch.equal(loaded.model.norm.weight.cpu(), TINY.build().model.norm.weight)
 
 
 def test_no_config(single):
@@ -258,7 +259,8 @@ def test_pickled_checkpoints_are_refused_unless_allowed(tmp_path):
     assert torch.equal(loaded.model.norm.weight.cpu(), model.model.norm.weight)
     # weights_only=True: a pickle that is not plain tensors is refused, not executed.
     torch.save({"weights": model.state_dict(), "payload": TinyPayload()}, folder / "pytorch_model.bin")
-    assert_refused(folder, r"pytorch_model.bin: cannot read the pickled weights with weights_only=True", allow_pickle=True)
+    assert_refused(folder, r"pytorch_model.bin: cannot read the pickled weights with weights_only=True",
+                   allow_pickle=True)
 
 
 class TinyPayload:
@@ -284,7 +286,8 @@ def test_a_model_larger_than_free_device_memory_is_refused_before_loading(tmp_pa
     message, allocated = result.stdout.strip().splitlines()
     model = TINY.build()
     needed = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    assert f"needs {needed / 1024:.2f} KiB of device memory in torch.float32 but neuron:0 has 48.83 KiB free (of 48.83 KiB)" in message
+    assert (f"needs {needed / 1024:.2f} KiB of device memory in torch.float32 "
+            "but neuron:0 has 48.83 KiB free (of 48.83 KiB)" in message)
     assert "dtype=torch.bfloat16" in message
     assert allocated == "0"
 
@@ -295,10 +298,12 @@ def test_the_memory_check_in_process_names_needed_free_and_total():
     from optimum_neuron_torch.loading.loader import _size, check_device_memory
 
     sizes = [0, 1023, 1024, 1536, 2**20 - 1, 2**20, 5 * 2**30 + 2**29]
-    assert [_size(n) for n in sizes] == ["0 bytes", "1023 bytes", "1.00 KiB", "1.50 KiB", "1024.00 KiB", "1.00 MiB", "5.50 GiB"]
+    assert [_size(n) for n in sizes] == ["0 bytes", "1023 bytes", "1.00 KiB", "1.50 KiB", "1024.00 KiB", "1.00 MiB",
+                                         "5.50 GiB"]
     free, total = optimum_neuron_torch.device.mem_get_info()
     with torch.device("meta"):
-        model = torch.nn.Sequential(torch.nn.Linear(total // 4 // 1024 + 1, 1024, bias=False))  # one float32 weight > total
+        # one float32 weight > total
+        model = torch.nn.Sequential(torch.nn.Linear(total // 4 // 1024 + 1, 1024, bias=False))
     needed = model[0].weight.numel() * 4
     with pytest.raises(InsufficientDeviceMemoryError) as caught:
         check_device_memory(model, torch.device("neuron:0"), "huge-model")
@@ -376,7 +381,8 @@ def test_mutated_checkpoints_load_correctly_or_fail_cleanly(pristine, tmp_path_f
         raw[:8] = struct.pack("<Q", position)
     path.write_bytes(bytes(raw))
 
-    gc.collect()  # device memory of unreachable objects left by earlier tests is freed before the baseline, not during the load
+    # device memory of unreachable objects left by earlier tests is freed before the baseline, not during the load
+    gc.collect()
     before = torch.neuron.memory_allocated()
     try:
         model = TINY.neuron_class.from_pretrained(folder, dtype=torch.float32)

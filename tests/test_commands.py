@@ -12,8 +12,9 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import optimum_neuron_torch
-from conftest import optimum_cli
-from optimum_neuron_torch.compiler.cache import CACHE_ENV, CompileCache
+from optimum_neuron_torch.compiler.cache import CompileCache
+from optimum_neuron_torch.settings import COMPILE_CACHE_ENV as CACHE_ENV
+from testing_utils import optimum_cli
 from tiny_models import TINY_MODELS, tiny_tokenizer
 
 CHAT_TEMPLATE = (
@@ -41,7 +42,8 @@ def compiled(chat_model, tmp_path_factory) -> tuple[str, Path, Path]:
     """`compile` into an empty cache, saving the model: its stdout, the cache and the saved folder.
     The generate tests run with this cache, so that they load its graphs instead of compiling them."""
     root = tmp_path_factory.mktemp("compiled")
-    done = optimum_cli("compile", str(chat_model), *BUCKETS, "--save", str(root / "saved"), env={CACHE_ENV: str(root / "cache")})
+    done = optimum_cli("compile", str(chat_model), *BUCKETS, "--save", str(root / "saved"),
+                       env={CACHE_ENV: str(root / "cache")})
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout, root / "cache", root / "saved"
 
@@ -87,7 +89,8 @@ def test_generate_streams_the_chat_answer_of_transformers(chat_model, compiled):
 
 
 def test_generate_reads_the_prompt_from_stdin(chat_model, compiled):
-    done = optimum_cli("generate", "--model", str(chat_model), "--max-new-tokens", str(NEW_TOKENS), "--no-chat-template",
+    done = optimum_cli("generate", "--model", str(chat_model), "--max-new-tokens", str(NEW_TOKENS),
+                       "--no-chat-template",
                        env={CACHE_ENV: str(compiled[1])}, input=f"{PROMPT}\n")
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -98,11 +101,12 @@ def test_generate_reads_the_prompt_from_stdin(chat_model, compiled):
 def test_compile_reports_its_graphs_and_saves_them_with_the_model(chat_model, compiled, tmp_path):
     stdout, cache, saved = compiled
     assert "batch sizes [1], prompt buckets [16], max length 64" in stdout
-    assert "2 graphs compiled" in stdout and "0 loaded from the compile cache" in stdout  # a prefill bucket, a decode step
+    # a prefill bucket, a decode step
+    assert "2 graphs compiled" in stdout and "0 loaded from the compile cache" in stdout
     assert str(cache) in stdout
 
     spec = json.loads((saved / "neuron_generation.json").read_text())
-    assert spec["buckets"] == {"batch_sizes": [1], "prompt_lengths": [16], "max_length": 64}
+    assert spec["buckets"] == {"batch_sizes": [1], "prompt_buckets": [16], "max_length": 64}
     assert sorted(spec["graphs"]) == sorted(entry.key for entry in CompileCache(cache).entries())
     assert AutoTokenizer.from_pretrained(saved).get_vocab() == AutoTokenizer.from_pretrained(chat_model).get_vocab()
 
@@ -132,7 +136,7 @@ def test_env_reports_backend_versions_devices_and_caches(tmp_path):
 
 
 @pytest.mark.parametrize("args, env, failure", [
-    (("generate", "hi", "--model", "{missing}"), {}, "cannot generate with {missing}: CheckpointError:"),
+    (("generate", "hi", "--model", "{missing}"), {}, "cannot generate with {missing}: CheckpointNotFoundError:"),
     (("env",), {"OPTIMUM_NEURON_TORCH_DEVICE_MEMORY": "lots"},
      "cannot report the environment: ConfigurationError: OPTIMUM_NEURON_TORCH_DEVICE_MEMORY='lots' is not a size"),
 ])

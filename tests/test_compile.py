@@ -38,7 +38,8 @@ def test_compiled_forward_matches_cpu_and_does_not_recompile(llama):
 def test_dynamic_shapes_are_rejected_like_torchneuron():
     torch._dynamo.reset()
     compiled = torch.compile(lambda x: x * 2 + 1, backend="neuron", dynamic=True)
-    with pytest.raises(Exception, match="Dynamic shapes detected in the model, but torch-neuronx requires static shapes"):
+    with pytest.raises(Exception,
+                       match="Dynamic shapes detected in the model, but torch-neuronx requires static shapes"):
         compiled(torch.ones(4, device="neuron"))
 
 

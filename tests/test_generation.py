@@ -17,7 +17,7 @@ from optimum_neuron_torch import NeuronAutoModelForCausalLM
 from optimum_neuron_torch.generation import Buckets, disable_compiled_generation, enable_compiled_generation
 from tiny_models import TINY_MODELS, VOCAB
 
-BUCKETS = Buckets(batch_sizes=(1, 4), prompt_lengths=(8, 16), max_length=64)
+BUCKETS = Buckets(batch_sizes=(1, 4), prompt_buckets=(8, 16), max_length=64)
 GREEDY = dict(do_sample=False)
 
 
@@ -150,13 +150,14 @@ def test_eos_token_lists_and_dict_outputs_match_eager(llama):
     ids = prompt(6, seed=5)
     free_run = cpu.generate(ids, max_new_tokens=10, **GREEDY)[0, 6:].tolist()
     eos = [free_run[3], 1000 % VOCAB]  # stops at the 4th new token
-    settings = dict(max_new_tokens=10, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True, output_scores=True, **GREEDY)
+    settings = dict(max_new_tokens=10, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True,
+                    output_scores=True, **GREEDY)
     expected = cpu.generate(ids, **settings)
     generated = model.generate(ids.to("neuron"), **settings)
     assert generated.sequences.cpu().tolist() == expected.sequences.tolist()
     assert generated.sequences.shape[1] <= 6 + 4
     assert len(generated.scores) == len(expected.scores)
-    for device_scores, cpu_scores in zip(generated.scores, expected.scores):
+    for device_scores, cpu_scores in zip(generated.scores, expected.scores, strict=True):
         torch.testing.assert_close(device_scores.cpu(), cpu_scores, rtol=1e-4, atol=1e-4)
 
 
@@ -214,7 +215,7 @@ def test_auto_class_models_have_compiled_generation_and_it_can_be_removed(tmp_pa
 
 def test_buckets():
     buckets = Buckets((4, 1, 1), (64, 16), 256)
-    assert buckets.batch_sizes == (1, 4) and buckets.prompt_lengths == (16, 64)
+    assert buckets.batch_sizes == (1, 4) and buckets.prompt_buckets == (16, 64)
     assert buckets.batch_size_for(3) == 4 and buckets.batch_size_for(5) is None
     assert buckets.prompt_shape_for(10) == (16, 16)
     assert buckets.prompt_shape_for(64) == (64, 64)
@@ -222,6 +223,16 @@ def test_buckets():
     assert Buckets.from_dict(buckets.to_dict()) == buckets
     with pytest.raises(Exception, match="must be below max_length"):
         Buckets((1,), (64,), 64)
+
+
+def test_prompt_buckets_have_one_name_and_the_old_one_still_reads_with_a_warning():
+    buckets = Buckets((1,), (16, 64), 256)
+    assert buckets.to_dict() == {"batch_sizes": [1], "prompt_buckets": [16, 64], "max_length": 256}
+    with pytest.warns(FutureWarning, match="Buckets.prompt_lengths is deprecated: use Buckets.prompt_buckets"):
+        assert buckets.prompt_lengths == (16, 64)
+    saved_before = {"batch_sizes": [1], "prompt_lengths": [64, 16], "max_length": 256}
+    with pytest.warns(FutureWarning, match="name their prompt buckets `prompt_lengths`"):
+        assert Buckets.from_dict(saved_before) == buckets
 
 
 def test_a_cache_filled_exactly_stays_compiled_and_one_past_falls_back(llama):
@@ -253,5 +264,6 @@ def test_left_padding_with_and_without_a_mask_matches_eager(name, fresh_dynamo):
     with_mask = cpu.generate(ids, attention_mask=mask, **settings)
     without_mask = cpu.generate(ids, **settings)
     assert with_mask.tolist() == without_mask.tolist()  # the inferred mask is the same mask
-    assert model.generate(ids.to("neuron"), attention_mask=mask.to("neuron"), **settings).cpu().tolist() == with_mask.tolist()
+    assert (model.generate(ids.to("neuron"), attention_mask=mask.to("neuron"), **settings).cpu().tolist()
+            == with_mask.tolist())
     assert model.generate(ids.to("neuron"), **settings).cpu().tolist() == without_mask.tolist()

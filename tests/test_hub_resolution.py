@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_python
 from optimum_neuron_torch.errors import CheckpointError
 from optimum_neuron_torch.loading import resolve_checkpoint
+from testing_utils import run_python
 from tiny_models import TINY_MODELS
 
 TINY = TINY_MODELS["llama"]
@@ -63,7 +63,8 @@ def test_revision_selects_the_snapshot(hub_cache):
     cache, _, _ = hub_cache
     main = TINY.neuron_class.from_pretrained(REPO, cache_dir=cache, local_files_only=True)
     v2 = TINY.neuron_class.from_pretrained(REPO, cache_dir=cache, local_files_only=True, revision="v2")
-    assert torch.equal(v2.model.layers[0].mlp.up_proj.weight.cpu(), TINY.build(seed=5).model.layers[0].mlp.up_proj.weight)
+    assert torch.equal(v2.model.layers[0].mlp.up_proj.weight.cpu(),
+                       TINY.build(seed=5).model.layers[0].mlp.up_proj.weight)
     assert not torch.equal(v2.model.layers[0].mlp.up_proj.weight.cpu(), main.model.layers[0].mlp.up_proj.weight.cpu())
 
 
@@ -92,7 +93,8 @@ def test_hf_hub_offline_environment_in_a_new_process(hub_cache):
     assert result.returncode == 0, result.stderr
     loaded, missing = result.stdout.strip().splitlines()
     assert loaded == "LlamaForCausalLM neuron:0"
-    assert missing.startswith("CheckpointError file config.json: config.json of 'tiny-org/not-cached' is not in the Hugging Face cache")
+    assert missing.startswith("CheckpointNotFoundError file config.json: config.json of 'tiny-org/not-cached' "
+                              "is not in the Hugging Face cache")
     assert "HF_HUB_OFFLINE=1" in missing
 
 

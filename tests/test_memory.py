@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_python
 from optimum_neuron_torch.device import mem_get_info
+from testing_utils import run_python
 
 
 def test_allocating_and_freeing_in_a_loop_returns_memory_exactly():

@@ -15,13 +15,7 @@ import torch
 from transformers import LlamaConfig, PretrainedConfig
 
 from optimum_neuron_torch.compiler import cache as cache_module
-from optimum_neuron_torch.compiler.cache import (
-    CACHE_ENV,
-    CompileCache,
-    Entry,
-    graph_key,
-)
-from optimum_neuron_torch.device.reference.settings import cache_dir
+from optimum_neuron_torch.compiler.cache import CompileCache, Entry, graph_key
 from optimum_neuron_torch.errors import CheckpointError, ConfigurationError
 from optimum_neuron_torch.generation.buckets import Buckets
 from optimum_neuron_torch.loading.safetensors_file import (
@@ -171,7 +165,8 @@ def test_the_header_size_limit_is_safetensors_own(tmp_path):
     with open(path, "r+b") as file:
         file.write(struct.pack("<Q", MAX_HEADER_BYTES + 1))
         file.truncate(8 + MAX_HEADER_BYTES + 2)
-    refused(path, f"the header claims {MAX_HEADER_BYTES + 1} bytes but the file has {MAX_HEADER_BYTES + 10}; {CORRUPT}")
+    refused(path, f"the header claims {MAX_HEADER_BYTES + 1} bytes but the file has {MAX_HEADER_BYTES + 10}; "
+                  f"{CORRUPT}")
 
 
 def test_a_header_that_is_not_json_or_not_an_object(tmp_path):
@@ -189,7 +184,8 @@ def test_a_header_that_is_not_json_or_not_an_object(tmp_path):
 
 def test_a_tensor_named_twice(tmp_path):
     path = tmp_path / "m.safetensors"
-    text = b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}'
+    text = (b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, '
+            b'"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}')
     path.write_bytes(struct.pack("<Q", len(text)) + text + b"\x00")
     refused(path, f"the header names the tensor twice; {CORRUPT}", tensor="a")
 
@@ -273,7 +269,8 @@ def test_the_key_is_stable_and_hashes_everything_the_code_depends_on():
     base = key()
     assert len(base) == 64 and base == key()
     assert key(environment={"cc": "g++", "torch": "2.13"}) == base  # order of the dicts does not matter
-    assert key(options={"mode": "default", "dtype": torch.float32}) == key(options={"dtype": torch.float32, "mode": "default"})
+    assert (key(options={"mode": "default", "dtype": torch.float32})
+            == key(options={"dtype": torch.float32, "mode": "default"}))
     others = [
         key(inputs=[torch.zeros(5, 3)]),  # shape
         key(inputs=[torch.zeros(3, 4).t()]),  # stride
@@ -306,24 +303,11 @@ def test_the_key_hashes_the_code_the_weights_and_the_buffers():
 
 def test_the_key_of_a_graph_with_meta_weights_depends_on_their_shapes_and_dtypes():
     with torch.device("meta"):
-        small, large, half = traced(torch.nn.Linear(3, 2)), traced(torch.nn.Linear(3, 4)), traced(torch.nn.Linear(3, 2))
+        small, large, half = (traced(torch.nn.Linear(3, 2)), traced(torch.nn.Linear(3, 4)),
+                              traced(torch.nn.Linear(3, 2)))
     half.half()
     assert small.code == large.code and key(small) == key(small)  # only the weights' description tells them apart
     assert len({key(small), key(large), key(half)}) == 3
-
-
-def test_cache_root_and_neff_cache_follow_the_environment(monkeypatch, tmp_path):
-    monkeypatch.delenv(CACHE_ENV, raising=False)
-    assert cache_module.cache_root() == cache_dir() / "compiled"
-    assert CompileCache().root == cache_dir() / "compiled"
-    monkeypatch.setenv(CACHE_ENV, "")
-    assert cache_module.cache_root() == cache_dir() / "compiled"
-    monkeypatch.setenv(CACHE_ENV, "~/graphs")
-    assert cache_module.cache_root() == cache_module.Path.home() / "graphs"
-    monkeypatch.delenv("TORCH_NEURONX_NEFF_CACHE_DIR", raising=False)
-    assert str(cache_module.torchneuron_neff_cache()) == "/tmp/neff_cache"
-    monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", str(tmp_path))
-    assert cache_module.torchneuron_neff_cache() == tmp_path
 
 
 def test_stats_are_copied_and_reset():
@@ -422,15 +406,15 @@ def test_entry_size_counts_files_only(tmp_path):
 
 def test_buckets_are_sorted_deduplicated_and_validated():
     buckets = Buckets([8, "2", 2], (32, 16), 33)
-    assert buckets.batch_sizes == (2, 8) and buckets.prompt_lengths == (16, 32) and buckets.max_length == 33
+    assert buckets.batch_sizes == (2, 8) and buckets.prompt_buckets == (16, 32) and buckets.max_length == 33
     for bad in [(), (0, 1)]:
         with pytest.raises(ConfigurationError) as caught:
             Buckets(bad, (16,), 64)
         assert str(caught.value) == f"batch_sizes must hold at least one positive size, got {bad!r}."
     with pytest.raises(ConfigurationError) as caught:
         Buckets((1,), (-1, 4), 64)
-    assert str(caught.value) == "prompt_lengths must hold at least one positive size, got (-1, 4)."
-    assert Buckets((1,), (1,), 2).prompt_lengths == (1,)
+    assert str(caught.value) == "prompt_buckets must hold at least one positive size, got (-1, 4)."
+    assert Buckets((1,), (1,), 2).prompt_buckets == (1,)
     with pytest.raises(ConfigurationError) as caught:
         Buckets((1,), (16, 64), 64)
     assert str(caught.value) == ("the largest prompt bucket (64) must be below max_length (64), to leave room for new "
@@ -447,9 +431,10 @@ def test_buckets_are_sorted_deduplicated_and_validated():
 ])
 def test_default_buckets(context, max_length, expected):
     config = PretrainedConfig() if context is None else LlamaConfig(
-        max_position_embeddings=context, num_hidden_layers=1, hidden_size=8, intermediate_size=8, num_attention_heads=1)
+        max_position_embeddings=context, num_hidden_layers=1, hidden_size=8, intermediate_size=8,
+        num_attention_heads=1)
     buckets = Buckets.default(config, max_length)
-    assert (buckets.prompt_lengths, buckets.max_length) == expected and buckets.batch_sizes == (1, 2, 4, 8)
+    assert (buckets.prompt_buckets, buckets.max_length) == expected and buckets.batch_sizes == (1, 2, 4, 8)
 
 
 def test_default_buckets_follow_the_decoders_text_config():
@@ -466,8 +451,8 @@ def test_bucket_lookup_boundaries_and_round_trip():
     assert [buckets.prompt_shape_for(n) for n in (1, 16, 17, 64, 65, 128, 129)] == [
         (16, 16), (16, 16), (64, 64), (64, 64), (128, 64), (128, 64), (192, 64)]
     assert Buckets((1,), (16, 64, 256), 512).prompt_shape_for(300) == (512, 256)  # chunks of the largest bucket
-    assert buckets.to_dict() == {"batch_sizes": [1, 4], "prompt_lengths": [16, 64], "max_length": 256}
-    assert Buckets.from_dict({"batch_sizes": [4, 1], "prompt_lengths": [64, 16], "max_length": "256"}) == buckets
+    assert buckets.to_dict() == {"batch_sizes": [1, 4], "prompt_buckets": [16, 64], "max_length": 256}
+    assert Buckets.from_dict({"batch_sizes": [4, 1], "prompt_buckets": [64, 16], "max_length": "256"}) == buckets
 
 
 # --- device memory accounting (the C++ allocator, mutated by hand: see benchmarks/MUTATION.md) ---

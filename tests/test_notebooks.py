@@ -29,7 +29,8 @@ def test_notebook_runs_as_written(name, tmp_path, monkeypatch):
     assert all(not cell.outputs and cell.execution_count is None for cell in code), f"{name} is committed with outputs"
     # The kernel is this interpreter; its shell commands (`!optimum-cli ...`) find this environment's scripts.
     monkeypatch.setenv("PATH", f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}")
-    NotebookClient(notebook, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(notebook, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
     printed = "\n".join(
         output.get("text", "") + "".join(output.get("data", {}).get("text/plain", ""))
         for cell in code for output in cell.outputs

@@ -10,13 +10,14 @@ import io
 import pytest
 import torch
 
-from conftest import assert_same
 from optimum_neuron_torch.device import clear_op_tracking, executed_ops
+from testing_utils import assert_same
 
 
 def test_autograd_and_an_optimizer_step_match_cpu():
     torch.manual_seed(0)
-    cpu_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 3))
+    cpu_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16),
+                                    torch.nn.Linear(16, 3))
     device_model = copy.deepcopy(cpu_model).to("neuron")
     x, target = torch.randn(4, 8), torch.tensor([0, 2, 1, 2])
     for model, optimizer_device in ((cpu_model, "cpu"), (device_model, "neuron")):
@@ -26,7 +27,7 @@ def test_autograd_and_an_optimizer_step_match_cpu():
             loss = torch.nn.functional.cross_entropy(model(x.to(optimizer_device)), target.to(optimizer_device))
             loss.backward()
             optimizer.step()
-    for cpu_param, device_param in zip(cpu_model.parameters(), device_model.parameters()):
+    for cpu_param, device_param in zip(cpu_model.parameters(), device_model.parameters(), strict=True):
         assert_same(device_param.detach(), cpu_param.detach(), rtol=1e-5, atol=1e-6)
         assert device_param.grad.device.type == "neuron"
 
@@ -104,7 +105,7 @@ def test_attention_uses_the_fused_kernel_and_matches_cpu(causal, kv_heads):
     assert "aten::_scaled_dot_product_fused_attention_overrideable" in executed_ops()
     assert_same(out.detach(), expected.detach(), atol=1e-5, rtol=1e-5)
     out.sum().backward()
-    for device_tensor, cpu_grad in zip((dq, dk, dv), cpu_grads):
+    for device_tensor, cpu_grad in zip((dq, dk, dv), cpu_grads, strict=True):
         assert_same(device_tensor.grad, cpu_grad, atol=1e-5, rtol=1e-5)
 
 
@@ -130,7 +131,8 @@ def test_convolution_forward_and_backward(transposed):
     out = device_layer(dx)
     assert_same(out.detach(), layer(x).detach(), atol=1e-5, rtol=1e-5)
     out.square().sum().backward()
-    for device_grad, cpu_grad in zip((dx.grad, device_layer.weight.grad, device_layer.bias.grad), cpu_grads):
+    for device_grad, cpu_grad in zip((dx.grad, device_layer.weight.grad, device_layer.bias.grad), cpu_grads,
+                                     strict=True):
         assert_same(device_grad, cpu_grad, atol=1e-4, rtol=1e-5)
 
 

@@ -107,7 +107,8 @@ class SequencesOnly(ModelOutput):
 
 
 def test_unpad_an_output_with_sequences_only_adds_nothing():
-    result = unpad(SequencesOnly(sequences=torch.arange(6).reshape(2, 3)), rows=1, columns=1, device=torch.device("cpu"))
+    result = unpad(SequencesOnly(sequences=torch.arange(6).reshape(2, 3)), rows=1, columns=1,
+                   device=torch.device("cpu"))
     assert torch.equal(result.sequences, torch.tensor([[1, 2]]))
     assert list(result.keys()) == ["sequences"] and not hasattr(result, "cache") and not hasattr(result, "scores")
 
@@ -128,7 +129,8 @@ def test_unpad_an_output_cuts_sequences_scores_and_logits_and_drops_the_cache():
         assert [step.shape for step in getattr(result, name)] == [(3, 3), (3, 3)]
         assert [step[0, 0].item() for step in getattr(result, name)] == [0.0, 1.0]
     assert result.cache is None and result.attentions is None
-    result = unpad(GenerateDecoderOnlyOutput(sequences=torch.zeros(2, 3)), rows=1, columns=0, device=torch.device("cpu"))
+    result = unpad(GenerateDecoderOnlyOutput(sequences=torch.zeros(2, 3)), rows=1, columns=0,
+                   device=torch.device("cpu"))
     assert result.sequences.shape == (1, 3) and result.scores is None and result.logits is None
 
 

@@ -9,19 +9,15 @@ import pytest
 import torch
 
 import optimum_neuron_torch
-from optimum_neuron_torch.compiler import (
-    DISABLE_SPLIT_ENV,
-    CompileCache,
-    FallbackNode,
-    UnsupportedGraphError,
-    cache_stats,
-    recording_partitions,
-)
+from optimum_neuron_torch.compiler import CompileCache, FallbackNode, cache_stats, recording_partitions
 from optimum_neuron_torch.compiler.artifact import STABLEHLO_FILE
-from optimum_neuron_torch.compiler.cache import CACHE_ENV
 from optimum_neuron_torch.compiler.partition import unsupported_by_construction
+from optimum_neuron_torch.errors import UnsupportedGraphError
+from optimum_neuron_torch.settings import COMPILE_CACHE_ENV as CACHE_ENV
+from optimum_neuron_torch.settings import DISABLE_GRAPH_SPLIT_ENV as DISABLE_SPLIT_ENV
 
-ZETA = FallbackNode("special_zeta", "torch._C._special.special_zeta", "no StableHLO lowering for aten.special_zeta.other_scalar")
+ZETA = FallbackNode("special_zeta", "torch._C._special.special_zeta",
+                    "no StableHLO lowering for aten.special_zeta.other_scalar")
 
 
 class ZetaBetweenLinears(torch.nn.Module):
@@ -64,7 +60,8 @@ def test_an_op_that_does_not_lower_splits_the_graph_into_two_compiled_pieces(cac
     optimum_neuron_torch.clear_op_tracking()
     with recording_partitions() as reports, torch.no_grad():
         with pytest.warns(UserWarning, match=r"graph split into 2 compiled pieces around 1 op TorchNeuron's compiler "
-                                             r"cannot take: torch\._C\._special\.special_zeta \(no StableHLO lowering"):
+                                             r"cannot take: torch\._C\._special\.special_zeta "
+                                             r"\(no StableHLO lowering"):
             first = compiled(x.to("neuron"))
         graphs, misses = torch._dynamo.utils.counters["stats"]["unique_graphs"], cache_stats().misses
         y = torch.randn(2, 8)
@@ -79,7 +76,8 @@ def test_an_op_that_does_not_lower_splits_the_graph_into_two_compiled_pieces(cac
     entries = list(cache.entries())
     assert len(entries) == 2  # the two pieces, each cached with its StableHLO; the whole graph was never compiled
     for entry in entries:
-        assert entry.metadata["stablehlo"] == "ok" and "stablehlo.dot_general" in (entry.path / STABLEHLO_FILE).read_text()
+        assert (entry.metadata["stablehlo"] == "ok"
+                and "stablehlo.dot_general" in (entry.path / STABLEHLO_FILE).read_text())
 
 
 def test_a_graph_the_compiler_takes_whole_is_not_split(cache):
@@ -98,7 +96,8 @@ def test_disabled_splitting_raises_naming_the_op(cache, monkeypatch):
         compiled(torch.randn(2, 8, device="neuron"))
     assert isinstance(raised.value.inner_exception, UnsupportedGraphError)
     assert re.search(r"node special_zeta \(torch\._C\._special\.special_zeta\): no StableHLO lowering for "
-                     rf"aten\.special_zeta\.other_scalar.*unset {DISABLE_SPLIT_ENV}", str(raised.value.inner_exception))
+                     rf"aten\.special_zeta\.other_scalar.*unset {DISABLE_SPLIT_ENV}",
+                     str(raised.value.inner_exception))
     assert list(cache.entries()) == []  # refused before anything was compiled
 
 
@@ -111,7 +110,8 @@ def test_complex_nodes_are_split_out_and_run_eagerly(cache):
     (report,) = reports
     assert report.compiled_pieces == 2 and len(list(cache.entries())) == 2
     assert [(node.op, node.reason) for node in report.fallback_nodes] == [
-        ("torch.view_as_complex", "complex dtype"), ("_operator.mul", "complex dtype"), ("torch.view_as_real", "complex dtype"),
+        ("torch.view_as_complex", "complex dtype"), ("_operator.mul", "complex dtype"),
+        ("torch.view_as_real", "complex dtype"),
     ]
     with torch.no_grad():
         torch.testing.assert_close(result.cpu(), model.cpu()(x))

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from optimum_neuron_torch import NeuronAutoModel, NeuronAutoModelForCausalLM
-from optimum_neuron_torch.fallbacks import PATCHES, apply_patches, patched, patches_for, revert_patches
+from optimum_neuron_torch.patches import PATCHES, apply_patches, patched, patches_for, revert_patches
 
 DECODER = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64)
@@ -87,7 +87,8 @@ CASES = {
     "llama4": Case(transformers.Llama4TextConfig(**DECODER, intermediate_size_mlp=64, num_local_experts=4, head_dim=8),
                    *CAUSAL, ["complex_rope"], (complex_tensors,)),
     # DeepSeek-V2: complex RoPE, and MoE experts whose eager loop routes with nonzero/where.
-    "deepseek_v2": Case(transformers.DeepseekV2Config(**{**DECODER, "num_key_value_heads": 4}, moe_intermediate_size=16,
+    "deepseek_v2": Case(transformers.DeepseekV2Config(**{**DECODER, "num_key_value_heads": 4},
+                                                      moe_intermediate_size=16,
                                                       n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
                                                       kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
                                                       qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,

@@ -44,7 +44,7 @@ def assert_same_output(device_output: Any, cpu_output: Any) -> None:
             assert_same_output(device_output[key], cpu_output[key])
     elif isinstance(cpu_output, list):
         assert len(device_output) == len(cpu_output)
-        for device_item, cpu_item in zip(device_output, cpu_output):
+        for device_item, cpu_item in zip(device_output, cpu_output, strict=True):
             assert_same_output(device_item, cpu_item)
     elif isinstance(cpu_output, float):
         assert device_output == pytest.approx(cpu_output, rel=1e-4, abs=1e-6)
@@ -75,7 +75,7 @@ def test_text2text_generation_matches_generate_on_cpu_through_compiled_graphs(ch
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     cpu_pipe = Text2TextGenerationPipeline(model=cpu_model, tokenizer=tokenizer, device="cpu")
     assert_same_output(output, cpu_pipe(PROMPTS, **GREEDY))
-    for prompt, [generated] in zip(PROMPTS, output):  # and what generate() on the CPU gives, decoded
+    for prompt, [generated] in zip(PROMPTS, output, strict=True):  # and what generate() on the CPU gives, decoded
         ids = cpu_model.generate(**tokenizer(prompt, return_tensors="pt", return_token_type_ids=False), **GREEDY)
         assert generated["generated_text"] == tokenizer.decode(ids[0], skip_special_tokens=True)
     assert pipe.model.neuron_generation.cache_keys
@@ -113,7 +113,8 @@ def test_question_answering_matches_the_best_span_on_cpu(checkpoint):
     spans = [(i, j) for i in range(len(context)) for j in range(i, min(i + 15, len(context)))]  # max_answer_len 15
     score, first, last = max((float(start[i] * end[j]), i, j) for i, j in spans)
     begin, finish = offsets[context[first]][0], offsets[context[last]][1]
-    expected = {"score": pytest.approx(score, rel=1e-4), "start": begin, "end": finish, "answer": CONTEXT[begin:finish]}
+    expected = {"score": pytest.approx(score, rel=1e-4), "start": begin, "end": finish,
+                "answer": CONTEXT[begin:finish]}
     assert answer == expected
     batch = dict(question=[QUESTION, "who lives in london?"], context=[CONTEXT, SENTENCE], max_answer_len=2)
     assert_same_output(pipe(**batch), cpu_pipe(**batch))
@@ -156,7 +157,8 @@ def test_loaded_model_takes_its_tokenizer_from_its_folder(checkpoint):
 
 
 def test_bad_requests_are_clear_errors():
-    with pytest.raises(ValueError, match="No default model is available offline for the 'fill-mask' task: pass model="):
+    with pytest.raises(ValueError,
+                       match="No default model is available offline for the 'fill-mask' task: pass model="):
         ont.pipeline("fill-mask")
     with pytest.raises(ValueError, match="Unsupported pipeline task 'summarization'; .* supports text-generation"):
         ont.pipeline("summarization", model="any")

@@ -10,8 +10,8 @@ import torch
 
 from optimum_neuron_torch.compiler import CompileCache
 from optimum_neuron_torch.compiler.artifact import STABLEHLO_FILE
-from optimum_neuron_torch.compiler.cache import CACHE_ENV
 from optimum_neuron_torch.generation import Buckets, enable_compiled_generation
+from optimum_neuron_torch.settings import COMPILE_CACHE_ENV as CACHE_ENV
 from tiny_models import TINY_MODELS
 
 
@@ -26,7 +26,8 @@ def test_compiled_generation_graphs_are_kept_with_their_stablehlo(tmp_path, monk
     for entry in entries:
         assert entry.metadata["stablehlo"] == "ok"
         text = (entry.path / STABLEHLO_FILE).read_text()
-        assert "stablehlo.dot_general" in text and "torch." not in text  # fully lowered, nothing left in the torch dialect
+        # fully lowered, nothing left in the torch dialect
+        assert "stablehlo.dot_general" in text and "torch." not in text
         signature = re.search(r"func\.func @main\((.*?)\) ->", text).group(1)
         assert signature.count("%arg") > parameters  # the weights are inputs, not constants
         assert "dense_resource" not in text

@@ -28,7 +28,15 @@ STANDIN = Path(__file__).parent / "torchneuron_standin"
 CLI = os.path.join(os.path.dirname(sys.executable), "optimum-cli")
 
 # TorchNeuron's `torch.neuron`, from its source (../shared/design/torchneuron_api.md): public functions and classes.
-TORCHNEURON_FUNCTIONS = sorted(["is_initialized", "current_device", "set_device", "get_device_name", "device_count", "is_available", "init", "get_amp_supported_dtype", "manual_seed_all", "manual_seed", "seed", "seed_all", "initial_seed", "get_rng_state", "set_rng_state", "device", "Stream", "stream", "current_stream", "default_stream", "set_stream", "synchronize", "wait_stream", "wait_event", "record_event", "query", "Event", "get_device_properties", "reset_peak_memory_stats", "memory_stats", "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved", "reset_accumulated_memory_stats", "memory_summary", "empty_cache", "get_dynamo_metrics", "reset_dynamo_metrics", "is_bf16_supported"])
+TORCHNEURON_FUNCTIONS = sorted([
+    "is_initialized", "current_device", "set_device", "get_device_name", "device_count", "is_available", "init",
+    "get_amp_supported_dtype", "manual_seed_all", "manual_seed", "seed", "seed_all", "initial_seed", "get_rng_state",
+    "set_rng_state", "device", "Stream", "stream", "current_stream", "default_stream", "set_stream", "synchronize",
+    "wait_stream", "wait_event", "record_event", "query", "Event", "get_device_properties", "reset_peak_memory_stats",
+    "memory_stats", "memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+    "reset_accumulated_memory_stats", "memory_summary", "empty_cache", "get_dynamo_metrics", "reset_dynamo_metrics",
+    "is_bf16_supported",
+])
 
 
 class TorchNeuron:
@@ -42,7 +50,8 @@ class TorchNeuron:
     def environment(self, env: dict[str, str] | None) -> tuple[dict[str, str], Path]:
         self.runs += 1
         misses = self.root / f"misses-{self.runs}.txt"
-        inherited = {name: value for name, value in os.environ.items() if name != "OPTIMUM_NEURON_TORCH_BACKEND"}  # auto
+        inherited = {name: value for name, value in os.environ.items()
+                     if name != "OPTIMUM_NEURON_TORCH_BACKEND"}  # auto
         full = {
             **inherited,
             "PYTHONPATH": os.pathsep.join(filter(None, [str(STANDIN), os.environ.get("PYTHONPATH")])),
@@ -58,12 +67,14 @@ class TorchNeuron:
         assert outside == [], f"the library used names TorchNeuron does not have: {outside}\n{result.stderr[-3000:]}"
         return result
 
-    def run(self, *command: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    def run(self, *command: str, env: dict[str, str] | None = None,
+            timeout: float = 600) -> subprocess.CompletedProcess:
         full, misses = self.environment(env)
         result = subprocess.run(command, capture_output=True, text=True, env=full, timeout=timeout, check=False)
         return self._checked(result, misses)
 
-    def python(self, code: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    def python(self, code: str, env: dict[str, str] | None = None,
+               timeout: float = 600) -> subprocess.CompletedProcess:
         return self.run(sys.executable, "-c", textwrap.dedent(code), env=env, timeout=timeout)
 
     def cli(self, *args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -170,13 +181,15 @@ def test_autoloaded_torchneuron_is_detected_and_its_runtime_is_not_started(torch
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "torchneuron 2.13.3.0 torch_neuronx.neuron True"
+    # the stand-in refuses a fork after start, as TorchNeuron
     assert lines[1:] == ["initialized after import: False", "child after import: 0", "memory: True True",
-                         "child after the runtime started: 3"]  # the stand-in refuses a fork after start, as TorchNeuron
+                         "child after the runtime started: 3"]
 
 
 def test_xla_era_torch_neuronx_falls_back_to_the_reference_device_with_one_warning(tmp_path):
     (tmp_path / "torch_neuronx").mkdir()
-    (tmp_path / "torch_neuronx" / "__init__.py").write_text("__version__ = '2.1.2.2.3.0'  # XLA-based: no neuron device\n")
+    (tmp_path / "torch_neuronx" / "__init__.py").write_text("__version__ = '2.1.2.2.3.0'  "
+                                                            "# XLA-based: no neuron device\n")
     result = subprocess.run([sys.executable, "-c", DETECT], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": str(tmp_path)}, check=False)
     assert result.returncode == 0, result.stderr
@@ -199,19 +212,23 @@ def test_torchneuron_without_neuron_cores(torchneuron):
 def test_forcing_a_backend_with_torchneuron_installed(torchneuron):
     result = torchneuron.python(DETECT, env={"OPTIMUM_NEURON_TORCH_BACKEND": "reference"})
     assert result.stdout.startswith("BackendConflictError") and "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in result.stdout
-    result = torchneuron.python(DETECT, env={"OPTIMUM_NEURON_TORCH_BACKEND": "reference", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    result = torchneuron.python(DETECT, env={"OPTIMUM_NEURON_TORCH_BACKEND": "reference",
+                                             "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
     assert result.stdout.split()[0] == "reference" and "NeuronCores" not in result.stderr
-    result = torchneuron.python(DETECT, env={"OPTIMUM_NEURON_TORCH_BACKEND": "torchneuron", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
-    assert result.stdout.split()[:3] == ["torchneuron", "2.13.3.0", "torch_neuronx.neuron"], result.stdout + result.stderr
+    result = torchneuron.python(DETECT, env={"OPTIMUM_NEURON_TORCH_BACKEND": "torchneuron",
+                                             "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert result.stdout.split()[:3] == ["torchneuron", "2.13.3.0", "torch_neuronx.neuron"], (
+        result.stdout + result.stderr)
 
 
 def test_the_compile_backend_is_torchneuron_s_there_and_the_library_s_on_the_reference_device(torchneuron):
     from importlib.metadata import entry_points
 
-    from optimum_neuron_torch.compiler.backend import neuron_backend
+    from optimum_neuron_torch.compiler.dynamo_backend import neuron_backend
 
     assert torch._dynamo.lookup_backend("neuron") is neuron_backend
-    assert not [ep for ep in entry_points(group="torch_dynamo_backends") if ep.value.startswith("optimum_neuron_torch")]
+    assert not [ep for ep in entry_points(group="torch_dynamo_backends")
+                if ep.value.startswith("optimum_neuron_torch")]
     result = torchneuron.python(
         """
         import torch, optimum_neuron_torch
@@ -236,11 +253,14 @@ def test_sharded_load_compiled_generate_pipeline_and_check(torchneuron, llama):
         model = ont.NeuronAutoModelForCausalLM.from_pretrained({str(llama)!r})
         devices = sorted({{str(t.device) for t in (*model.parameters(), *model.buffers())}})
         ids = torch.tensor([{prompt}])
-        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                                do_sample=False)
         compiled = backend._stats["compiled"]
-        again = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        again = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8,
+                               do_sample=False)
         recompiled = backend._stats["compiled"] - compiled
-        generator = ont.pipeline("text-generation", model=model, tokenizer=transformers.AutoTokenizer.from_pretrained({str(llama)!r}))
+        generator = ont.pipeline("text-generation", model=model,
+                                 tokenizer=transformers.AutoTokenizer.from_pretrained({str(llama)!r}))
         text = generator("the capital of france is", max_new_tokens=4, do_sample=False)[0]["generated_text"]
         report = ont.check(model)
         print(json.dumps({{"devices": devices, "tokens": tokens[0].tolist(), "again": again[0].tolist(),
@@ -259,7 +279,8 @@ def test_sharded_load_compiled_generate_pipeline_and_check(torchneuron, llama):
 
 def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llama, tmp_path):
     saved = tmp_path / "saved"
-    compiled = torchneuron.cli("compile", str(llama), "--batch-sizes", "1", "--prompt-buckets", "16", "--max-length", "32",
+    compiled = torchneuron.cli("compile", str(llama), "--batch-sizes", "1", "--prompt-buckets", "16",
+                               "--max-length", "32",
                                "--save", str(saved), env={"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff_a")})
     assert compiled.returncode == 0, compiled.stderr[-5000:]
     assert "graphs compiled by TorchNeuron" in compiled.stdout
@@ -278,7 +299,8 @@ def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llam
         model = ont.NeuronAutoModelForCausalLM.from_pretrained({str(saved)!r})
         neffs = sum(len(files) for _, _, files in os.walk(os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"]))
         ids = torch.tensor([{prompt}])
-        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                                do_sample=False)
         print(json.dumps({{"neffs": neffs, "tokens": tokens[0].tolist(), **backend._stats}}))
         """,
         env={"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff_b")},
@@ -306,7 +328,8 @@ def test_saving_without_compiled_artifacts_says_so(torchneuron, llama, tmp_path)
 
 def test_env_separates_user_settings_from_torchneuron_defaults(torchneuron, tmp_path):
     result = torchneuron.cli("env", "--format", "json",
-                             env={"NEURON_RT_DBG_ZEROCOPY": "0", "TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff")})
+                             env={"NEURON_RT_DBG_ZEROCOPY": "0",
+                                  "TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff")})
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["backend"]["name"] == "torchneuron"
@@ -325,7 +348,8 @@ def test_env_separates_user_settings_from_torchneuron_defaults(torchneuron, tmp_
 
 @pytest.mark.parametrize("launch_blocking", ["1", "0"], ids=["synchronous", "asynchronous"])
 def test_fallback_policy_on_torchneuron(torchneuron, launch_blocking):
-    # Asynchronous: the stand-in's tracker shows ops only once synchronize() was called, as queued ops are recorded when they run.
+    # Asynchronous: the stand-in's tracker shows ops only once synchronize() was called, as queued ops
+    # are recorded when they run.
     result = torchneuron.python(
         """
         import warnings, torch, optimum_neuron_torch as ont
@@ -356,6 +380,8 @@ def test_fallback_policy_on_torchneuron(torchneuron, launch_blocking):
                 except NotImplementedError as error:
                     print("error:", str(error).split(", and")[0])
             print("error, native only:", net.body(x).shape)
+            print("backend_info:", ont.backend_info().fallback, ont.backend_info().profile)
+        print("backend_info:", ont.backend_info().fallback)
         ont.clear_op_tracking()
         with ont.fallback_policy("silent"), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -373,6 +399,8 @@ def test_fallback_policy_on_torchneuron(torchneuron, launch_blocking):
         "error: Operator 'aten::argmax.out' fell back to CPU in module 'Net.head'",
         "error: Operator 'aten::argmax.out' fell back to CPU in module 'Net.head'",
         "error, native only: torch.Size([2, 4])",
+        "backend_info: error hardware",
+        "backend_info: warn",
         "silent: 0 ['aten::argmax.out'] FallbackStats(calls=None, seconds=None)",
     ]
 

@@ -46,7 +46,8 @@ class TinyModel:
                     tensor.add_(0.1 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype))
         return model
 
-    def save(self, folder: Path, dtype: torch.dtype = torch.float32, shard_size: str | None = None, seed: int = 0) -> Path:
+    def save(self, folder: Path, dtype: torch.dtype = torch.float32, shard_size: str | None = None,
+             seed: int = 0) -> Path:
         model = self.build(seed).to(dtype)
         model.save_pretrained(folder, **({"max_shard_size": shard_size} if shard_size else {}))
         return folder
@@ -69,7 +70,8 @@ class TinyModel:
 
 
 def _tiny(name, config_class, auto, neuron, **kwargs):
-    return TinyModel(name, getattr(transformers, config_class)(**kwargs), getattr(transformers, auto), getattr(ont, neuron))
+    return TinyModel(name, getattr(transformers, config_class)(**kwargs), getattr(transformers, auto),
+                     getattr(ont, neuron))
 
 
 CAUSAL = ("AutoModelForCausalLM", "NeuronAutoModelForCausalLM")
@@ -86,9 +88,11 @@ TINY_MODELS = {
               num_attention_heads=4, intermediate_size=64, max_position_embeddings=64),
         _tiny("opt", "OPTConfig", *CAUSAL, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
               num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=64),
-        _tiny("bert", "BertConfig", "AutoModelForMaskedLM", "NeuronAutoModelForMaskedLM", vocab_size=VOCAB, hidden_size=32,
-              num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, max_position_embeddings=64),
-        _tiny("roberta", "RobertaConfig", "AutoModelForSequenceClassification", "NeuronAutoModelForSequenceClassification",
+        _tiny("bert", "BertConfig", "AutoModelForMaskedLM", "NeuronAutoModelForMaskedLM", vocab_size=VOCAB,
+              hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+              max_position_embeddings=64),
+        _tiny("roberta", "RobertaConfig", "AutoModelForSequenceClassification",
+              "NeuronAutoModelForSequenceClassification",
               vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
               max_position_embeddings=64, pad_token_id=1, num_labels=3),
         _tiny("bert_tokens", "BertConfig", "AutoModelForTokenClassification", "NeuronAutoModelForTokenClassification",
@@ -101,8 +105,8 @@ TINY_MODELS = {
               num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, max_position_embeddings=64),
         _tiny("t5", "T5Config", "AutoModelForSeq2SeqLM", "NeuronAutoModelForSeq2SeqLM", vocab_size=VOCAB, d_model=32,
               d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0),
-        _tiny("bart", "BartConfig", "AutoModelForSeq2SeqLM", "NeuronAutoModelForSeq2SeqLM", vocab_size=VOCAB, d_model=32,
-              encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        _tiny("bart", "BartConfig", "AutoModelForSeq2SeqLM", "NeuronAutoModelForSeq2SeqLM", vocab_size=VOCAB,
+              d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
               encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64),
     ]
 }
@@ -147,7 +151,8 @@ def tiny_tokenizer(model_type: str) -> PreTrainedTokenizerFast:
     special_tokens, single, pair = TOKENIZER_FAMILIES[model_type]
     words = Counter(word for sentence in SENTENCES for word in re.findall(r"\w+|[^\w\s]", sentence))
     characters = sorted({character for word in words for character in word})
-    pieces = [*special_tokens.values(), *characters, *("##" + character for character in characters if character.isalpha())]
+    pieces = [*special_tokens.values(), *characters,
+              *("##" + character for character in characters if character.isalpha())]
     frequent = sorted((word for word in words if word not in pieces), key=lambda word: (-words[word], word))
     vocabulary = {token: index for index, token in enumerate((pieces + frequent)[:VOCAB])}
     backend = Tokenizer(models.WordPiece(vocabulary, unk_token=special_tokens["unk_token"]))

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from ..compiler.cache import CompileCache, torchneuron_neff_cache
+from ..compiler.cache import CompileCache
 from ..device import backend_info
+from ..settings import neff_cache_dir
 
 
 def list_cache() -> None:
@@ -12,8 +13,10 @@ def list_cache() -> None:
     entries = list(cache.entries())
     print(f"{len(entries)} compiled graphs in {cache.root}")
     for entry in entries:
-        shapes = ", ".join("x".join(map(str, shape)) or "scalar" for shape in entry.metadata.get("input_shapes", [])[:4])
-        print(f"{entry.key[:16]}  {entry.size / 2**20:7.2f} MiB  compiled in {entry.metadata.get('compile_seconds', 0):5.1f} s  "
+        shapes = ", ".join("x".join(map(str, shape)) or "scalar"
+                           for shape in entry.metadata.get("input_shapes", [])[:4])
+        print(f"{entry.key[:16]}  {entry.size / 2**20:7.2f} MiB  "
+              f"compiled in {entry.metadata.get('compile_seconds', 0):5.1f} s  "
               f"inputs {shapes}, ...")
 
 
@@ -26,7 +29,7 @@ def print_cache_stats() -> None:
     print(f"size: {sum(entry.size for entry in entries) / 2**20:.2f} MiB")
     print(f"compile time stored: {sum(entry.metadata.get('compile_seconds', 0) for entry in entries):.1f} s")
     if backend_info().name == "torchneuron":
-        print(f"TorchNeuron compiles through its own NEFF cache: {torchneuron_neff_cache()}")
+        print(f"TorchNeuron compiles through its own NEFF cache: {neff_cache_dir()}")
 
 
 def clear_cache() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..check import check
+from ..compatibility import check
 
 
 def run_check(model_id: str, format: str = "text", strict: bool = False, patches: bool = True,

@@ -10,13 +10,15 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from ..compiler.cache import cache_root, cache_stats, reset_cache_stats, torchneuron_neff_cache
+from ..compiler.cache import cache_stats, reset_cache_stats
 from ..device import backend_info
 from ..loading.checkpoint import NEURON_GENERATION_NAME
+from ..settings import compile_cache_dir, neff_cache_dir
 from .models import load_generative_model
 
 
-def compile_model(model_id: str, batch_sizes: tuple[int, ...] | None = None, prompt_buckets: tuple[int, ...] | None = None,
+def compile_model(model_id: str, batch_sizes: tuple[int, ...] | None = None,
+                  prompt_buckets: tuple[int, ...] | None = None,
                   max_length: int | None = None, save: str | os.PathLike[str] | None = None) -> None:
     """Runs `model.precompile()` for these buckets (None: the model's own), with its progress bar,
     prints how many graphs were compiled and how many were loaded from the cache, and saves the
@@ -25,13 +27,15 @@ def compile_model(model_id: str, batch_sizes: tuple[int, ...] | None = None, pro
     reset_cache_stats()
     model.precompile(batch_sizes, prompt_buckets, max_length)
     stats, buckets = cache_stats(), model.neuron_generation.buckets
-    print(f"{type(model).__name__}: batch sizes {list(buckets.batch_sizes)}, prompt buckets {list(buckets.prompt_lengths)}, "
+    print(f"{type(model).__name__}: batch sizes {list(buckets.batch_sizes)}, "
+          f"prompt buckets {list(buckets.prompt_buckets)}, "
           f"max length {buckets.max_length}")
     if backend_info().name == "torchneuron":
-        print(f"graphs compiled by TorchNeuron, in its NEFF cache: {torchneuron_neff_cache()}")
+        print(f"graphs compiled by TorchNeuron, in its NEFF cache: {neff_cache_dir()}")
     else:
-        print(f"{stats.misses} graphs compiled ({stats.compile_seconds:.1f} s), {stats.hits} loaded from the compile cache "
-              f"({stats.load_seconds:.1f} s): {cache_root()}")
+        print(f"{stats.misses} graphs compiled ({stats.compile_seconds:.1f} s), "
+              f"{stats.hits} loaded from the compile cache "
+              f"({stats.load_seconds:.1f} s): {compile_cache_dir()}")
     if save is not None:
         model.save_pretrained(save)
         try:

@@ -15,23 +15,22 @@ from typing import Any
 
 import torch
 
-from ..compiler.cache import cache_root, torchneuron_neff_cache
 from ..device import backend_info
-from ..device.reference.settings import cache_dir
 from ..fallbacks import get_fallback_policy
+from ..settings import NEFF_CACHE_DEFAULT, NEFF_CACHE_ENV, cache_dir, compile_cache_dir, neff_cache_dir
 
 PACKAGES = ("optimum-neuron-torch", "torch", "transformers", "optimum", "huggingface_hub", "torch-mlir")
 VARIABLE_PREFIXES = ("OPTIMUM_NEURON_TORCH_", "TORCH_NEURONX_", "NEURON_")
 # TorchNeuron's compiled-graph cache: its variables, and what applies when one is not set.
 NEFF_CACHE_VARIABLES = {
-    "TORCH_NEURONX_NEFF_CACHE_DIR": "/tmp/neff_cache",
+    NEFF_CACHE_ENV: NEFF_CACHE_DEFAULT,
     "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": "/tmp/local_cache",
     "TORCH_NEURONX_NEFF_CACHE_LOCK_TIMEOUT": "1200",
     "TORCH_NEURONX_DISABLE_NEFF_CACHE": "unset (cache on)",
     "TORCH_NEURONX_NEFF_DISABLE_CACHE": "unset (cache on)",
 }
-VARIABLES = ("TORCH_DEVICE_BACKEND_AUTOLOAD", "HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_DISABLE_PROGRESS_BARS",
-             "TRANSFORMERS_OFFLINE", "XDG_CACHE_HOME", "CXX", "OMP_NUM_THREADS")
+VARIABLES = ("TORCH_DEVICE_BACKEND_AUTOLOAD", "HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE",
+             "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_OFFLINE", "XDG_CACHE_HOME", "CXX", "OMP_NUM_THREADS")
 
 
 def _version(package: str) -> str:
@@ -49,7 +48,8 @@ def _cpu() -> str:
             name = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), name)
     except OSError:
         pass
-    return f"{name}, {os.cpu_count()} cores ({torch.get_num_threads()} torch threads), {torch.backends.cpu.get_cpu_capability()}"
+    return (f"{name}, {os.cpu_count()} cores ({torch.get_num_threads()} torch threads), "
+            f"{torch.backends.cpu.get_cpu_capability()}")
 
 
 def _starting_environment() -> dict[str, str] | None:
@@ -87,14 +87,14 @@ def _devices() -> list[dict[str, Any]]:
     return devices
 
 
-def environment() -> dict[str, Any]:
+def environment_report() -> dict[str, Any]:
     """The report, as plain data (what `--format json` prints)."""
     info = backend_info()
-    caches = {"library": str(cache_dir()), "compile": str(cache_root())}
+    caches = {"library": str(cache_dir()), "compile": str(compile_cache_dir())}
     user_variables, process_variables = _variables()
     extra: dict[str, Any] = {}
     if info.name == "torchneuron":
-        caches["torchneuron_neff"] = str(torchneuron_neff_cache())
+        caches["torchneuron_neff"] = str(neff_cache_dir())
         extra["torchneuron_defaults"] = process_variables
         extra["neff_cache_variables"] = {
             name: os.environ.get(name, f"{default} (default)") for name, default in NEFF_CACHE_VARIABLES.items()
@@ -139,5 +139,5 @@ def _memory(memory_bytes: int | str) -> str:
 
 def print_environment(format: str = "text") -> None:
     """Prints the report as text or JSON."""
-    report = environment()
+    report = environment_report()
     print(json.dumps(report, indent=2) if format == "json" else render_text(report))

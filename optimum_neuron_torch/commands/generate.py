@@ -36,7 +36,8 @@ def prompt_inputs(tokenizer: PreTrainedTokenizerBase, prompt: str, chat_template
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
     if system:
-        raise ConfigurationError("--system needs a chat template: this tokenizer has none, or --no-chat-template was given")
+        raise ConfigurationError("--system needs a chat template: this tokenizer has none, "
+                                 "or --no-chat-template was given")
     return tokenizer(prompt, return_tensors="pt")
 
 
@@ -49,7 +50,8 @@ def generate(model_id: str | None, prompt: str | None, *, max_new_tokens: int = 
     sampling = {name: value for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))
                 if value is not None}
     if sampling and not do_sample:
-        raise ConfigurationError(f"--{'/--'.join(name.replace('_', '-') for name in sampling)} only apply to sampling: add --do-sample")
+        raise ConfigurationError(f"--{'/--'.join(name.replace('_', '-') for name in sampling)} only apply to "
+                                 "sampling: add --do-sample")
     text = read_prompt(prompt)
     if model_id is None:
         model_id = str(default_model_path())

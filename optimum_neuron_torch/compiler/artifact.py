@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
-from .. import __version__
 from ..device import backend_info
-from ..device.reference.build import compiler_version
+from ..errors import LoweringError
+from ..host import compiler_version
+from ..version import __version__
 from . import stablehlo
 
 GRAPH_FILE = "graph.bin"
@@ -29,7 +30,7 @@ STABLEHLO_FILE = "graph.stablehlo.mlir"
 
 
 @functools.cache
-def environment() -> dict[str, str]:
+def compile_environment() -> dict[str, str]:
     """Everything a compiled graph depends on besides the graph itself: on the reference device the
     C++ compiler and the CPU, on TorchNeuron its version (its own cache keys cover its compiler)."""
     from torch._inductor.cpp_builder import get_cpp_compiler
@@ -109,7 +110,7 @@ def _lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list[Any], fol
     except Exception as error:  # any failure of the check is its result, never a failed compile
         message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
         if strict:
-            raise stablehlo.LoweringError(message) from error
+            raise LoweringError(message) from error
         warnings.warn(f"This graph does not lower to StableHLO, so TorchNeuron could not compile it ({message}). "
                       "It runs on the reference device.", stacklevel=2)
         return message

@@ -15,32 +15,17 @@ import json
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from filelock import FileLock
 
-from ..device.reference.settings import cache_dir
+from ..settings import compile_cache_dir
+from ..staging import build_once
 
-CACHE_ENV = "OPTIMUM_NEURON_TORCH_COMPILE_CACHE"
 METADATA = "entry.json"
-
-
-def cache_root() -> Path:
-    """The compile cache directory: `$OPTIMUM_NEURON_TORCH_COMPILE_CACHE`, else `compiled/` in the
-    library's cache directory."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    return cache_dir() / "compiled"
-
-
-def torchneuron_neff_cache() -> Path:
-    """Where TorchNeuron keeps its compiled NEFFs; on TorchNeuron, that cache is in charge."""
-    return Path(os.environ.get("TORCH_NEURONX_NEFF_CACHE_DIR", "/tmp/neff_cache"))
 
 
 @dataclass
@@ -82,11 +67,13 @@ class Entry:
 
 def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        return f"tensor({tuple(value.shape)}, {tuple(value.stride())}, {value.dtype}, {value.device.type}, {value.requires_grad})"
+        return (f"tensor({tuple(value.shape)}, {tuple(value.stride())}, {value.dtype}, {value.device.type}, "
+                f"{value.requires_grad})")
     return repr(value)
 
 
-def graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], environment: dict[str, str], options: dict[str, Any]) -> str:
+def graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], environment: dict[str, str],
+              options: dict[str, Any]) -> str:
     """The key of a graph: its code, its constants, its inputs' shapes, strides and dtypes, the
     environment (versions, compiler, CPU features) and the compile options."""
     digest = hashlib.sha256()
@@ -106,7 +93,7 @@ class CompileCache:
     """The entries under one root directory."""
 
     def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
-        self.root = Path(root) if root is not None else cache_root()
+        self.root = Path(root) if root is not None else compile_cache_dir()
 
     def path(self, key: str) -> Path:
         return self.root / key[:2] / key[2:4] / key
@@ -123,27 +110,13 @@ class CompileCache:
     def get_or_build(self, key: str, build: Callable[[Path], dict[str, Any]]) -> tuple[Entry, bool]:
         """The entry for `key`, built by `build(folder)` when missing; also says whether it was
         built here. `build` fills a fresh folder and returns the entry's metadata."""
-        entry = self.get(key)
-        if entry is not None:
-            return entry, False
-        locks = self.root / "locks"
-        locks.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(locks / f"{key}.lock")):
-            entry = self.get(key)  # another process may have built it while we waited
-            if entry is not None:
-                return entry, False
-            staging = self.root / "tmp" / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-            staging.mkdir(parents=True)
-            try:
-                metadata = {"key": key, "created": time.time(), **build(staging)}
-                (staging / METADATA).write_text(json.dumps(metadata, indent=1, sort_keys=True))
-                final = self.path(key)
-                shutil.rmtree(final, ignore_errors=True)  # an incomplete entry left by hand
-                final.parent.mkdir(parents=True, exist_ok=True)
-                os.rename(staging, final)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
-        return Entry(key, final, metadata), True
+        def build_entry(folder: Path) -> None:
+            metadata = {"key": key, "created": time.time(), **build(folder)}
+            (folder / METADATA).write_text(json.dumps(metadata, indent=1, sort_keys=True))
+
+        built = build_once(self.path(key), build_entry, lock=self.root / "locks" / f"{key}.lock",
+                           staging_parent=self.root / "tmp", is_complete=lambda folder: self.get(key) is not None)
+        return self.get(key), built
 
     def add(self, source: Path) -> Entry:
         """Copies an entry folder (e.g. one shipped with a saved model) into the cache."""

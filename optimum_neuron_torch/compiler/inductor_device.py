@@ -51,12 +51,14 @@ class NeuronWrapperCodegen(PythonWrapperCodegen):
     """Python wrapper code that calls the generated C++ kernels directly, as for CPU."""
 
     @staticmethod
-    def create(is_subgraph: bool, subgraph_name: str | None, parent_wrapper: Any, partition_signatures: Any = None) -> Any:
+    def create(is_subgraph: bool, subgraph_name: str | None, parent_wrapper: Any,
+               partition_signatures: Any = None) -> Any:
         if is_subgraph:
             return PythonWrapperCodegen.create(is_subgraph, subgraph_name, parent_wrapper, partition_signatures)
         return NeuronWrapperCodegen()
 
-    def _generate_kernel_call_helper(self, kernel_name: str, call_args: Any, *, device: Any = None, triton: bool = True, **kwargs: Any) -> None:
+    def _generate_kernel_call_helper(self, kernel_name: str, call_args: Any, *, device: Any = None,
+                                     triton: bool = True, **kwargs: Any) -> None:
         device = device or V.graph.get_current_device_or_throw()
         if not triton and device.type == DEVICE:
             self.writeline(self.wrap_kernel_call(kernel_name, call_args))

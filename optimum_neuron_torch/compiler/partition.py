@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import os
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -36,10 +35,10 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 from torch.fx.passes.utils.fuser_utils import fuse_by_partitions
 
-from ..errors import ConfigurationError, NeuronTorchError
+from ..errors import LoweringError, UnsupportedGraphError
+from ..settings import DISABLE_GRAPH_SPLIT_ENV, graph_split_disabled
 from . import stablehlo
 
-DISABLE_SPLIT_ENV = "OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT"
 PIECE_PREFIX = "compiled_piece_"
 
 
@@ -65,10 +64,6 @@ class PartitionReport:
         count = len(self.fallback_nodes)
         return (f"graph split into {self.compiled_pieces} compiled piece{'s' * (self.compiled_pieces != 1)} around "
                 f"{count} op{'s' * (count != 1)} TorchNeuron's compiler cannot take: {', '.join(ops)}")
-
-
-class UnsupportedGraphError(NeuronTorchError):
-    """The graph holds nodes TorchNeuron's compiler cannot take, and splitting it is disabled."""
 
 
 _recorders: list[list[PartitionReport]] = []
@@ -132,10 +127,11 @@ def unsupported_by_construction(gm: torch.fx.GraphModule) -> dict[torch.fx.Node,
     return {node: reason for node, reason in reasons.items() if reason is not None}
 
 
-def _lowering_failure(error: stablehlo.LoweringError) -> str:
+def _lowering_failure(error: LoweringError) -> str:
     """A short reason from Torch-MLIR's diagnostic: the op it could not legalize, else the diagnostic."""
     op = re.search(r'name = "torch\.(\w+\.[\w.]+)"', str(error))
-    return f"no StableHLO lowering for {op.group(1)}" if op else f"no StableHLO lowering (Torch-MLIR: {str(error)[:160]})"
+    return (f"no StableHLO lowering for {op.group(1)}" if op
+            else f"no StableHLO lowering (Torch-MLIR: {str(error)[:160]})")
 
 
 _lowering_verdicts: dict[str, str | None] = {}
@@ -156,7 +152,8 @@ def _alone(node: torch.fx.Node) -> tuple[torch.fx.GraphModule, list[torch.Tensor
     graph = torch.fx.Graph()
     placeholders = {arg: graph.placeholder(arg.name) for arg in inputs}
     copy = graph.node_copy(node, placeholders.__getitem__)
-    graph.output(tuple(graph.call_function(operator.getitem, (copy, i)) for i in range(len(outputs))) if several else (copy,))
+    graph.output(tuple(graph.call_function(operator.getitem, (copy, i)) for i in range(len(outputs)))
+                 if several else (copy,))
     return torch.fx.GraphModule({}, graph), [_value(arg) for arg in inputs]
 
 
@@ -176,7 +173,7 @@ def _lowering_reason(node: torch.fx.Node) -> str | None:
         try:
             if alone is not None:
                 stablehlo.lower(*alone)
-        except stablehlo.LoweringError as error:  # Torch-MLIR's verdict about the op
+        except LoweringError as error:  # Torch-MLIR's verdict about the op
             _lowering_verdicts[signature] = _lowering_failure(error)
         except Exception:  # the check itself failed on this node: that says nothing about the op
             pass
@@ -188,14 +185,6 @@ def failing_to_lower(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
     each (needs torch-mlir)."""
     reasons = {node: _lowering_reason(node) for node in gm.graph.nodes if _computes(node)}
     return {node: reason for node, reason in reasons.items() if reason is not None}
-
-
-def _splitting_disabled() -> bool:
-    """Whether `OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT` asks the backend to refuse splitting."""
-    text = os.environ.get(DISABLE_SPLIT_ENV, "0").strip().lower()
-    if text not in ("0", "1", "true", "false", ""):
-        raise ConfigurationError(f"{DISABLE_SPLIT_ENV}={text!r} must be 0 or 1.")
-    return text in ("1", "true")
 
 
 class _Supported(OperatorSupportBase):
@@ -220,19 +209,21 @@ class CompiledPiece(torch.nn.Module):
 
 
 def split(gm: torch.fx.GraphModule, unsupported: dict[torch.fx.Node, str],
-          compile_piece: Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]) -> torch.fx.GraphModule | None:
+          compile_piece: Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
+          ) -> torch.fx.GraphModule | None:
     """`gm` with each supported part fused into a submodule compiled by `compile_piece(piece,
     example_inputs)` and the unsupported nodes left to run eagerly; None when there is nothing
     to split at or no part to compile. Raises `UnsupportedGraphError` when splitting is disabled."""
     fallback = [FallbackNode(node.name, _op_name(node), reason) for node, reason in unsupported.items()]
     if not fallback:
         return None
-    if _splitting_disabled():
+    if graph_split_disabled():
         listed = "; ".join(f"node {item.node} ({item.op}): {item.reason}" for item in fallback)
         raise UnsupportedGraphError(
-            f"This graph holds {len(fallback)} node(s) TorchNeuron's compiler cannot take, and {DISABLE_SPLIT_ENV}=1 "
+            f"This graph holds {len(fallback)} node(s) TorchNeuron's compiler cannot take, "
+            f"and {DISABLE_GRAPH_SPLIT_ENV}=1 "
             f"refuses to split it: {listed}. Rewrite or patch the model around these ops, keep them out of the "
-            f"compiled region, or unset {DISABLE_SPLIT_ENV} to run them eagerly between compiled pieces."
+            f"compiled region, or unset {DISABLE_GRAPH_SPLIT_ENV} to run them eagerly between compiled pieces."
         )
     partitioner = CapabilityBasedPartitioner(gm, _Supported(unsupported), allows_single_node_partition=True)
     order = {node: index for index, node in enumerate(gm.graph.nodes)}
@@ -246,7 +237,8 @@ def split(gm: torch.fx.GraphModule, unsupported: dict[torch.fx.Node, str],
             piece = getattr(parent, node.target)
             setattr(parent, node.target, CompiledPiece(compile_piece(piece, [_value(arg) for arg in node.args])))
     report = PartitionReport(len(partitions), fallback)
-    warnings.warn(f"{report.summary}. They run eagerly on the device; {DISABLE_SPLIT_ENV}=1 makes this an error.",
+    warnings.warn(f"{report.summary}. They run eagerly on the device; "
+                  f"{DISABLE_GRAPH_SPLIT_ENV}=1 makes this an error.",
                   stacklevel=2)
     for reports in _recorders:
         reports.append(report)

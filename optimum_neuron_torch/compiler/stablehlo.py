@@ -12,12 +12,9 @@ from typing import Any
 
 import torch
 
+from ..errors import LoweringError
+
 aten = torch.ops.aten
-
-
-class LoweringError(Exception):
-    """A graph does not lower to StableHLO, so TorchNeuron's compiler could not take it; the
-    message is Torch-MLIR's first diagnostic."""
 
 
 def available() -> bool:
@@ -25,7 +22,8 @@ def available() -> bool:
     return importlib.util.find_spec("torch_mlir") is not None
 
 
-def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_bias: torch.Tensor | None = None,
+def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attn_bias: torch.Tensor | None = None,
                      dropout_p: float = 0.0, is_causal: bool = False, return_debug_mask: bool = False,
                      scale: float | None = None) -> tuple[Any, ...]:
     """The device's fused attention as the CPU flash kernel, which PyTorch decomposes to math ops

@@ -8,15 +8,34 @@ beyond them (free device memory, op tracking) is here and works the same on both
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-from .backend import BACKEND_ENV, BackendInfo, activate
+from ..errors import ConfigurationError
+from ..settings import FALLBACK_MODES
+from ..settings import fallback_mode as _fallback_mode_at_start
+from .selection import BackendInfo, activate
 
 
 def backend_info() -> BackendInfo:
-    """The active backend, its version and support profile."""
+    """The backend that provides the `neuron` device in this process.
+
+    Returns:
+        `BackendInfo`: name (`torchneuron` or `reference`), version, device count, and the support
+        profile and fallback policy in force now.
+
+    Raises:
+        BackendUnavailableError: the backend asked for (`OPTIMUM_NEURON_TORCH_BACKEND`) cannot be
+            activated (raised at `import optimum_neuron_torch` already).
+
+    Example:
+        >>> print(optimum_neuron_torch.backend_info())
+        reference 0.1.0.dev0 (profile torchneuron, 1 device(s) of 24.0 GiB, fallback warn, torch 2.13.0+cpu)
+    """
     return activate()
 
 
@@ -39,20 +58,131 @@ def _wait_for_queued_ops() -> None:
 
 
 def fallback_ops() -> list[str]:
-    """Ops that fell back to the CPU since start or the last `clear_op_tracking()`, sorted."""
+    """Ops that fell back to the CPU since start or the last `clear_op_tracking()` (waiting for
+    queued work first, so that TorchNeuron's asynchronous mode has recorded them).
+
+    Returns:
+        Their ATen names, sorted, each once (`aten::argmax.out`, ...).
+
+    Example:
+        >>> optimum_neuron_torch.clear_op_tracking()
+        >>> model(**inputs)
+        >>> optimum_neuron_torch.fallback_ops()
+        ['aten::argmax.out']
+    """
     _wait_for_queued_ops()
     return sorted(_tracker().get_fallback_ops())
 
 
 def executed_ops() -> list[str]:
-    """Ops that ran natively on the device since start or the last `clear_op_tracking()`, sorted."""
+    """Ops that ran natively on the device since start or the last `clear_op_tracking()`.
+
+    Returns:
+        Their ATen names, sorted, each once.
+
+    Example:
+        >>> "aten::addmm" in optimum_neuron_torch.executed_ops()
+        True
+    """
     _wait_for_queued_ops()
     return sorted(_tracker().get_executed_ops())
 
 
 def clear_op_tracking() -> None:
-    """Forgets the ops recorded so far (both lists)."""
+    """Forgets the ops recorded so far: both `fallback_ops()` and `executed_ops()` start empty
+    (and the reference device's `fallback_stats()` counts from zero).
+
+    Example:
+        >>> optimum_neuron_torch.clear_op_tracking()
+        >>> optimum_neuron_torch.fallback_ops()
+        []
+    """
     _tracker().clear_op_tracking()
+
+
+@dataclass(frozen=True)
+class FallbackStats:
+    """Calls of one op on the fallback path and the seconds they took (None where the backend
+    does not count them: TorchNeuron records op names only)."""
+
+    calls: int | None
+    seconds: float | None
+
+
+def fallback_stats() -> dict[str, FallbackStats]:
+    """Every op that fell back to the CPU since start or the last `clear_op_tracking()`, with its
+    counts where the backend keeps them.
+
+    Returns:
+        `{op: FallbackStats}`, sorted by op name. The reference device counts calls and seconds;
+        TorchNeuron records names only (`FallbackStats(None, None)`).
+
+    Example:
+        >>> optimum_neuron_torch.fallback_stats()
+        {'aten::cumprod.out': FallbackStats(calls=4, seconds=0.0012)}
+    """
+    if activate().name == "reference":
+        from . import reference
+
+        return {op: FallbackStats(calls, seconds) for op, (calls, seconds) in reference.fallback_counts().items()}
+    return {op: FallbackStats(None, None) for op in fallback_ops()}
+
+
+# The fallback policy's mode. The reference device applies it itself, to each op call before it runs,
+# so it lives in the device; TorchNeuron has no such setting (the policy acts on its op tracker), so
+# the mode is kept here.
+_torchneuron_fallback_mode: str | None = None
+
+
+def fallback_mode() -> str:
+    """The fallback policy in force: `warn`, `error` or `silent` (`fallbacks.set_fallback_policy` sets it)."""
+    global _torchneuron_fallback_mode
+    if activate().name == "reference":
+        from . import reference
+
+        return reference.fallback_mode()
+    if _torchneuron_fallback_mode is None:
+        _torchneuron_fallback_mode = _fallback_mode_at_start()
+    return _torchneuron_fallback_mode
+
+
+def set_fallback_mode(mode: str) -> None:
+    """Records the fallback policy's mode (the reference device applies it to every op call).
+
+    Raises:
+        ConfigurationError: `mode` is not `warn`, `error` or `silent`.
+    """
+    global _torchneuron_fallback_mode
+    if mode not in FALLBACK_MODES:
+        raise ConfigurationError(f"unknown fallback policy {mode!r}: use one of {', '.join(FALLBACK_MODES)}.")
+    if activate().name == "reference":
+        from . import reference
+
+        reference.set_fallback_mode(mode)
+    else:
+        _torchneuron_fallback_mode = mode
+
+
+@contextlib.contextmanager
+def support_profile(name: str) -> Iterator[None]:
+    """The reference device's support profile `name` (`torchneuron`, `full` or an op-list path)
+    inside the block; on TorchNeuron the hardware decides and nothing changes.
+
+    Example:
+        >>> with support_profile("torchneuron"):
+        ...     model(**inputs)  # ops outside TorchNeuron's native set fall back, as on Trainium
+    """
+    if activate().name != "reference":
+        yield
+        return
+    from . import reference
+
+    previous = reference.state().profile
+    reference.set_profile(name)
+    try:
+        yield
+    finally:
+        reference.set_profile(previous)
 
 
 def mem_get_info(device: torch.device | str | int | None = None) -> tuple[int, int]:
@@ -79,11 +209,15 @@ def mem_get_info(device: torch.device | str | int | None = None) -> tuple[int, i
 
 
 __all__ = [
-    "BACKEND_ENV",
     "BackendInfo",
+    "FallbackStats",
     "backend_info",
     "clear_op_tracking",
     "executed_ops",
+    "fallback_mode",
     "fallback_ops",
+    "fallback_stats",
     "mem_get_info",
+    "set_fallback_mode",
+    "support_profile",
 ]

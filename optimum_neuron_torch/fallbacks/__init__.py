@@ -1,29 +1,7 @@
-"""Keeping unsupported ops working: the fallback policy and scoped model patches."""
+"""Keeping unsupported ops working: the fallback policy (what happens when an op has no native
+kernel on the `neuron` device). Model patches live in `optimum_neuron_torch.patches`, the native
+decoding ops in `optimum_neuron_torch.generation.native_ops`."""
 
-from .generation_ops import native_generation_ops
-from .patches import (
-    PATCHES,
-    ModelPatch,
-    apply_patches,
-    patched,
-    patches_for,
-    register_patch,
-    revert_patches,
-)
-from .policy import FallbackStats, fallback_policy, fallback_stats, get_fallback_policy, set_fallback_policy
+from .policy import fallback_policy, get_fallback_policy, set_fallback_policy
 
-__all__ = [
-    "FallbackStats",
-    "ModelPatch",
-    "PATCHES",
-    "apply_patches",
-    "fallback_policy",
-    "fallback_stats",
-    "get_fallback_policy",
-    "native_generation_ops",
-    "patched",
-    "patches_for",
-    "register_patch",
-    "revert_patches",
-    "set_fallback_policy",
-]
+__all__ = ["fallback_policy", "get_fallback_policy", "set_fallback_policy"]

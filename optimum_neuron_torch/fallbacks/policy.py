@@ -19,40 +19,20 @@ after the fact, when the op has already run on the CPU:
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-from ..device import backend_info, clear_op_tracking, fallback_ops
-from ..device.reference.settings import FALLBACK_ENV, FALLBACK_MODES
-from ..errors import ConfigurationError
-from .modules import ModuleStack, observing_modules
+from ..device import backend_info, clear_op_tracking, fallback_mode, fallback_ops, set_fallback_mode
+from ..module_stack import ModuleStack, observing_modules
+from ..settings import FALLBACK_ENV
+from ..settings import fallback_mode as fallback_mode_at_start
 
 FALLBACK_MESSAGE = "fell back to CPU"
 
 
-@dataclass(frozen=True)
-class FallbackStats:
-    """Calls of one op on the fallback path and the seconds they took (None where the backend
-    does not count them: TorchNeuron records op names only)."""
-
-    calls: int | None
-    seconds: float | None
-
-
 def _on_reference() -> bool:
     return backend_info().name == "reference"
-
-
-def fallback_stats() -> dict[str, FallbackStats]:
-    """{op: stats} for every op that fell back since start or the last `clear_op_tracking()`."""
-    if _on_reference():
-        from ..device import reference
-
-        return {op: FallbackStats(calls, seconds) for op, (calls, seconds) in reference.fallback_stats().items()}
-    return {op: FallbackStats(None, None) for op in fallback_ops()}
 
 
 class _Policy:
@@ -62,24 +42,15 @@ class _Policy:
         self._mode = ""  # none yet: entering the first one is a change
         self._observer: contextlib.ExitStack | None = None
         self._reported: set[str] = set()
-        self.set(os.environ.get(FALLBACK_ENV, "warn").strip().lower())
+        self.set(fallback_mode_at_start())
 
     @property
     def mode(self) -> str:
-        if _on_reference():
-            from ..device import reference
-
-            return reference.fallback_mode()
-        return self._mode
+        return fallback_mode()
 
     def set(self, mode: str) -> None:
-        if mode not in FALLBACK_MODES:
-            raise ConfigurationError(f"unknown fallback policy {mode!r}: use one of {', '.join(FALLBACK_MODES)}.")
-        if _on_reference():
-            from ..device import reference
-
-            reference.set_fallback_mode(mode)
-        elif mode == "error" and self._mode != "error":
+        set_fallback_mode(mode)  # validates it; the reference device applies it to every op call
+        if mode == "error" and self._mode != "error" and not _on_reference():
             clear_op_tracking()  # TorchNeuron records an op once: one seen before must raise now
         self._mode = mode
         # The reference device needs the observer only to name the caller of a refused op;
@@ -150,18 +121,47 @@ _policy = _Policy()
 
 
 def get_fallback_policy() -> str:
-    """The active policy: `warn`, `error` or `silent`."""
+    """The fallback policy in force.
+
+    Returns:
+        `warn`, `error` or `silent`.
+
+    Example:
+        >>> optimum_neuron_torch.get_fallback_policy()
+        'warn'
+    """
     return _policy.mode
 
 
 def set_fallback_policy(mode: str) -> None:
-    """Sets the policy for the process."""
+    """Sets the fallback policy for the process (see this module's docstring for what each does).
+
+    Args:
+        mode: `warn`, `error` or `silent`.
+
+    Raises:
+        ConfigurationError: any other mode.
+
+    Example:
+        >>> optimum_neuron_torch.set_fallback_policy("error")  # every fallback now raises
+    """
     _policy.set(mode)
 
 
 @contextlib.contextmanager
 def fallback_policy(mode: str) -> Iterator[None]:
-    """Sets the policy inside the block and restores the previous one afterwards."""
+    """Sets the fallback policy inside the block and restores the previous one afterwards.
+
+    Args:
+        mode: `warn`, `error` or `silent`.
+
+    Raises:
+        ConfigurationError: any other mode (before the block runs).
+
+    Example:
+        >>> with optimum_neuron_torch.fallback_policy("error"):
+        ...     model(**inputs)  # raises NotImplementedError naming the first op that falls back
+    """
     previous = get_fallback_policy()
     set_fallback_policy(mode)
     try:

@@ -3,6 +3,7 @@ one KV cache length."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -18,22 +19,22 @@ SMALLEST_PROMPT_BUCKET = 16
 @dataclass(frozen=True)
 class Buckets:
     """Every batch is padded to a batch size in `batch_sizes`; every prompt is left-padded to a
-    length in `prompt_lengths`, or to a multiple of the largest one and prefilled in chunks of
+    length in `prompt_buckets`, or to a multiple of the largest one and prefilled in chunks of
     it; the KV cache holds `max_length` tokens (padded prompt plus new tokens)."""
 
     batch_sizes: tuple[int, ...]
-    prompt_lengths: tuple[int, ...]
+    prompt_buckets: tuple[int, ...]
     max_length: int
 
     def __post_init__(self) -> None:
-        for name in ("batch_sizes", "prompt_lengths"):
+        for name in ("batch_sizes", "prompt_buckets"):
             values = tuple(sorted(set(int(value) for value in getattr(self, name))))
             if not values or values[0] < 1:
                 raise ConfigurationError(f"{name} must hold at least one positive size, got {getattr(self, name)!r}.")
             object.__setattr__(self, name, values)
-        if self.prompt_lengths[-1] >= self.max_length:
+        if self.prompt_buckets[-1] >= self.max_length:
             raise ConfigurationError(
-                f"the largest prompt bucket ({self.prompt_lengths[-1]}) must be below max_length ({self.max_length}), "
+                f"the largest prompt bucket ({self.prompt_buckets[-1]}) must be below max_length ({self.max_length}), "
                 "to leave room for new tokens."
             )
 
@@ -43,10 +44,10 @@ class Buckets:
         cache of the model's context length, capped at 2048."""
         context = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
         max_length = max_length or min(context, DEFAULT_MAX_LENGTH)
-        prompt_lengths = [min(SMALLEST_PROMPT_BUCKET, max_length // 2)]
-        while prompt_lengths[-1] * 4 <= max_length // 2:
-            prompt_lengths.append(prompt_lengths[-1] * 4)
-        return cls(DEFAULT_BATCH_SIZES, tuple(prompt_lengths), max_length)
+        prompt_buckets = [min(SMALLEST_PROMPT_BUCKET, max_length // 2)]
+        while prompt_buckets[-1] * 4 <= max_length // 2:
+            prompt_buckets.append(prompt_buckets[-1] * 4)
+        return cls(DEFAULT_BATCH_SIZES, tuple(prompt_buckets), max_length)
 
     def batch_size_for(self, batch_size: int) -> int | None:
         """The smallest batch bucket that holds `batch_size`, or None."""
@@ -55,15 +56,29 @@ class Buckets:
     def prompt_shape_for(self, prompt_length: int) -> tuple[int, int]:
         """(padded length, chunk length): the smallest bucket that holds the prompt, else a
         multiple of the largest bucket, prefilled one chunk at a time."""
-        for length in self.prompt_lengths:
+        for length in self.prompt_buckets:
             if length >= prompt_length:
                 return length, length
-        chunk = self.prompt_lengths[-1]
+        chunk = self.prompt_buckets[-1]
         return -(-prompt_length // chunk) * chunk, chunk
+
+    @property
+    def prompt_lengths(self) -> tuple[int, ...]:
+        """Deprecated name of `prompt_buckets`."""
+        warnings.warn("Buckets.prompt_lengths is deprecated: use Buckets.prompt_buckets.", FutureWarning, stacklevel=2)
+        return self.prompt_buckets
 
     def to_dict(self) -> dict[str, Any]:
         return {name: list(value) if isinstance(value, tuple) else value for name, value in asdict(self).items()}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Buckets:
-        return cls(tuple(values["batch_sizes"]), tuple(values["prompt_lengths"]), int(values["max_length"]))
+        """Buckets from `to_dict()`'s output, also as saved before prompt buckets had one name
+        (`prompt_lengths`, read with a warning)."""
+        if "prompt_buckets" not in values and "prompt_lengths" in values:
+            warnings.warn("these saved buckets name their prompt buckets `prompt_lengths`, "
+                          "as development versions before "
+                          "0.1.0.dev0 did: read as `prompt_buckets` (save the model again to update the file).",
+                          FutureWarning, stacklevel=2)
+            values = {**values, "prompt_buckets": values["prompt_lengths"]}
+        return cls(tuple(values["batch_sizes"]), tuple(values["prompt_buckets"]), int(values["max_length"]))

@@ -30,9 +30,17 @@ from transformers.generation import GenerationMode, StoppingCriteriaList
 from transformers.masking_utils import create_masks_for_generate
 from transformers.modeling_outputs import BaseModelOutput
 
-from ..compiler.backend import recording_cache_keys
+from ..compiler.dynamo_backend import recording_cache_keys
 from .buckets import Buckets
-from .padding import PaddingRowsDone, UnpaddedStreamer, default_attention_mask, fill_rows, pad_prompt, pad_token_id, unpad
+from .padding import (
+    PaddingRowsDone,
+    UnpaddedStreamer,
+    default_attention_mask,
+    fill_rows,
+    pad_prompt,
+    pad_token_id,
+    unpad,
+)
 
 COMPILE_CONFIG = CompileConfig(backend="neuron", fullgraph=True, dynamic=False, mode="default")
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -84,7 +92,7 @@ class CompiledGeneration:
         batch bucket, a prefill per prompt bucket and a decode step; for encoder-decoders, an
         encoder and a decode step per encoder bucket."""
         per_prompt_bucket = 2 if self.encoder_decoder else 1
-        return len(self.buckets.batch_sizes) * (len(self.buckets.prompt_lengths) * per_prompt_bucket + 1)
+        return len(self.buckets.batch_sizes) * (len(self.buckets.prompt_buckets) * per_prompt_bucket + 1)
 
     @property
     def model(self) -> PreTrainedModel:
@@ -107,7 +115,8 @@ class CompiledGeneration:
         if self._compiled_forward is None:
             self._compiled_forward = torch.compile(_call, **COMPILE_CONFIG.to_dict())
         if inputs.get("attention_mask") is None and not self.encoder_decoder:
-            inputs["attention_mask"] = self._causal_mask(inputs["input_ids"], inputs["cache"], inputs.get("position_ids"))
+            inputs["attention_mask"] = self._causal_mask(inputs["input_ids"], inputs["cache"],
+                                                         inputs.get("position_ids"))
         return self._compiled_forward(self.model, **{name: _dense(value) for name, value in inputs.items()})
 
     def _causal_mask(self, input_ids: torch.Tensor, cache: StaticCache, position_ids: torch.Tensor | None) -> Any:
@@ -128,7 +137,8 @@ class CompiledGeneration:
     def _encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> BaseModelOutput:
         if self._compiled_encoder is None:
             self._compiled_encoder = torch.compile(_call, **COMPILE_CONFIG.to_dict())
-        return self._compiled_encoder(self.model.get_encoder(), input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
+        return self._compiled_encoder(self.model.get_encoder(), input_ids=input_ids, attention_mask=attention_mask,
+                                      return_dict=True)
 
     def _cache(self, batch: int, encoder_length: int) -> StaticCache | EncoderDecoderCache:
         """The static cache of a batch bucket (and encoder bucket), allocated once, emptied per call."""
@@ -139,11 +149,13 @@ class CompiledGeneration:
             num_heads, head_dim = model._get_static_cache_init_shape()
             lengths = [self.buckets.max_length] + ([encoder_length] if self.encoder_decoder else [])
             caches = [StaticCache(config=config, max_cache_len=length) for length in lengths]
-            for cache, length in zip(caches, lengths):
+            for cache, length in zip(caches, lengths, strict=True):
                 # Sliding-window layers branch on a Python int that Dynamo specializes on (a new graph
                 # per step); a full layer under the model's sliding-window mask computes the same.
-                cache.layers = [StaticLayer(max_cache_len=length) if layer.is_sliding else layer for layer in cache.layers]
-                cache.early_initialization(batch_size=batch, num_heads=num_heads, head_dim=head_dim, dtype=model.dtype, device=model.device)
+                cache.layers = [StaticLayer(max_cache_len=length) if layer.is_sliding else layer
+                                for layer in cache.layers]
+                cache.early_initialization(batch_size=batch, num_heads=num_heads, head_dim=head_dim,
+                                           dtype=model.dtype, device=model.device)
             self._caches[key] = EncoderDecoderCache(*caches) if len(caches) == 2 else caches[0]
         cache = self._caches[key]
         cache.reset()
@@ -189,22 +201,25 @@ class CompiledGeneration:
                     "add a bucket with model.precompile(batch_sizes=...)")
         prompt = input_ids.shape[1]
         new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt
-        min_new_tokens = config.min_new_tokens if config.min_new_tokens is not None else max(config.min_length - prompt, 0)
+        min_new_tokens = (config.min_new_tokens if config.min_new_tokens is not None
+                          else max(config.min_length - prompt, 0))
         if self.encoder_decoder:
-            padded = chunk = next((length for length in self.buckets.prompt_lengths if length >= prompt), 0)
+            padded = chunk = next((length for length in self.buckets.prompt_buckets if length >= prompt), 0)
             needed = new_tokens + 1
             if not padded:
                 return (f"an encoder input of {prompt} tokens, above the largest prompt bucket "
-                        f"({self.buckets.prompt_lengths[-1]}); add a bucket with model.precompile(prompt_buckets=...)")
+                        f"({self.buckets.prompt_buckets[-1]}); add a bucket with model.precompile(prompt_buckets=...)")
         else:
             padded, chunk = self.buckets.prompt_shape_for(prompt)
             needed = padded + new_tokens
         if needed > self.buckets.max_length:
-            return (f"{needed} cache positions (prompt padded to {padded}, {new_tokens} new tokens) where the KV cache holds "
+            return (f"{needed} cache positions (prompt padded to {padded}, {new_tokens} new tokens) "
+                    "where the KV cache holds "
                     f"{self.buckets.max_length}; raise it with model.precompile(max_length=...)")
         return _Shapes(rows, batch, prompt, padded, chunk, new_tokens, min_new_tokens)
 
-    def _padded_call(self, input_ids: torch.Tensor, config: GenerationConfig, shapes: _Shapes, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _padded_call(self, input_ids: torch.Tensor, config: GenerationConfig, shapes: _Shapes,
+                     kwargs: dict[str, Any]) -> dict[str, Any]:
         """The arguments of Transformers' generate() for the padded call."""
         kwargs = {name: value for name, value in kwargs.items() if name not in ("max_length", "min_length")}
         attention_mask = kwargs.pop("attention_mask", None)
@@ -221,9 +236,11 @@ class CompiledGeneration:
             stopping = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
             kwargs["stopping_criteria"] = StoppingCriteriaList([*stopping, PaddingRowsDone(shapes.rows)])
         pad_id = pad_token_id(config, self._vocab_size)
-        input_ids, attention_mask = pad_prompt(input_ids, attention_mask, shapes.padded, pad_id, left=not self.encoder_decoder)
+        input_ids, attention_mask = pad_prompt(input_ids, attention_mask, shapes.padded, pad_id,
+                                               left=not self.encoder_decoder)
         if self.encoder_decoder:
-            kwargs["encoder_outputs"] = self._encode(input_ids.to(self.model.device), attention_mask.to(self.model.device))
+            kwargs["encoder_outputs"] = self._encode(input_ids.to(self.model.device),
+                                                     attention_mask.to(self.model.device))
         else:
             kwargs["prefill_chunk_size"] = shapes.chunk
             if kwargs.get("streamer") is not None:
@@ -246,7 +263,8 @@ class CompiledGeneration:
         per bucket, and the cache keys of the graphs used are recorded."""
         self.active = True
         try:
-            with torch._dynamo.config.patch(recompile_limit=max(64, self.graph_budget), accumulated_recompile_limit=max(256, self.graph_budget)), \
+            with torch._dynamo.config.patch(recompile_limit=max(64, self.graph_budget),
+                                            accumulated_recompile_limit=max(256, self.graph_budget)), \
                     recording_cache_keys() as keys:
                 yield
         finally:
@@ -264,11 +282,13 @@ class CompiledGeneration:
     # precompile() ------------------------------------------------------------------------------
     def precompile(self, show_progress: bool = True) -> None:
         """Compiles (or loads from the compile cache) every graph of the bucket set."""
-        combinations = [(batch, length) for batch in self.buckets.batch_sizes for length in self.buckets.prompt_lengths]
+        combinations = [(batch, length) for batch in self.buckets.batch_sizes
+                        for length in self.buckets.prompt_buckets]
         token = pad_token_id(self.model.generation_config, self._vocab_size)
         for batch, length in tqdm(combinations, desc="Compiling neuron graphs", disable=not show_progress):
             ids = torch.full((batch, length), token, dtype=torch.long, device=self.model.device)
-            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2, do_sample=False)
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
+                                do_sample=False)
 
 
 def _call(module: torch.nn.Module, **inputs: Any) -> Any:

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import CompileConfig, GenerationConfig, PreTrainedModel
 
-from ..fallbacks.generation_ops import native_generation_ops
 from .buckets import Buckets
 from .compiled_generation import CompiledGeneration
+from .native_ops import native_generation_ops
 from .saving import restore, save
 
 
@@ -23,7 +24,9 @@ class NeuronGenerationMixin:
 
     neuron_generation: CompiledGeneration
 
-    def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs: Any) -> Any:
+    def generate(
+        self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs: Any
+    ) -> Any:
         """Transformers' `generate()`, run on compiled static-shape graphs (see
         `optimum_neuron_torch.generation`); its decoding ops run natively on the device."""
         with native_generation_ops():
@@ -35,7 +38,9 @@ class NeuronGenerationMixin:
         saved by `save_pretrained`); graphs already in the compile cache are loaded instead."""
         current = self.neuron_generation.buckets
         self.neuron_generation.set_buckets(Buckets(
-            batch_sizes or current.batch_sizes, prompt_buckets or current.prompt_lengths, max_length or current.max_length,
+            batch_sizes or current.batch_sizes,
+            prompt_buckets or current.prompt_buckets,
+            max_length or current.max_length,
         ))
         self.neuron_generation.precompile(show_progress)
 
@@ -44,7 +49,9 @@ class NeuronGenerationMixin:
             return self.neuron_generation.forward
         return super().get_compiled_call(compile_config)
 
-    def save_pretrained(self, save_directory: str | os.PathLike[str], *args: Any, is_main_process: bool = True, **kwargs: Any) -> None:
+    def save_pretrained(
+        self, save_directory: str | os.PathLike[str], *args: Any, is_main_process: bool = True, **kwargs: Any
+    ) -> None:
         """Transformers' `save_pretrained`, plus the buckets and the compiled graphs."""
         super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
         if is_main_process:
@@ -54,7 +61,8 @@ class NeuronGenerationMixin:
 @functools.cache
 def _with_compiled_generation(model_class: type[PreTrainedModel]) -> type[PreTrainedModel]:
     return type(model_class.__name__, (NeuronGenerationMixin, model_class),
-                {"__module__": model_class.__module__, "__qualname__": model_class.__qualname__, "__doc__": model_class.__doc__})
+                {"__module__": model_class.__module__, "__qualname__": model_class.__qualname__,
+                 "__doc__": model_class.__doc__})
 
 
 def enable_compiled_generation(model: PreTrainedModel, buckets: Buckets | None = None,

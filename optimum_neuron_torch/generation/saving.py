@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..compiler.artifact import environment
+from ..compiler.artifact import compile_environment
 from ..compiler.cache import CompileCache
 from ..device import backend_info
 from ..loading.checkpoint import NEURON_COMPILED_DIR, NEURON_GENERATION_NAME
@@ -33,7 +33,7 @@ def save(generation: CompiledGeneration, folder: Path) -> None:
     spec = {
         "buckets": generation.buckets.to_dict(),
         "compile_config": COMPILE_CONFIG.to_dict(),
-        "environment": environment(),
+        "environment": compile_environment(),
     }
     shutil.rmtree(folder / NEURON_COMPILED_DIR, ignore_errors=True)
     if backend_info().name == "torchneuron":
@@ -71,7 +71,7 @@ def restore(folder: Path) -> Buckets | None:
         return None
     spec = json.loads(spec_path.read_text())
     buckets = Buckets.from_dict(spec["buckets"])
-    saved, here = spec.get("environment", {}), environment()
+    saved, here = spec.get("environment", {}), compile_environment()
     differences = {name: (saved.get(name), value) for name, value in here.items() if saved.get(name) != value}
     if differences:
         listed = "; ".join(f"{name}: saved {old!r}, here {new!r}" for name, (old, new) in differences.items())

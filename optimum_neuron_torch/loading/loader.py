@@ -49,7 +49,8 @@ def _open(checkpoint: Checkpoint, stack: ExitStack) -> list:
     return [stack.enter_context(opener(path)) for path in checkpoint.shards]
 
 
-def _model_key(name: str, model_keys: dict[str, torch.Tensor], renamings: list[WeightRenaming], prefix: str) -> str | None:
+def _model_key(name: str, model_keys: dict[str, torch.Tensor], renamings: list[WeightRenaming],
+               prefix: str) -> str | None:
     for renaming in renamings:
         name, _ = renaming.rename_source_key(name)
     if name in model_keys:
@@ -62,7 +63,8 @@ def _model_key(name: str, model_keys: dict[str, torch.Tensor], renamings: list[W
 
 
 def plan_loading(
-    model: PreTrainedModel, checkpoint: Checkpoint, files: list, renamings: list[WeightRenaming], ignore_mismatched_sizes: bool
+    model: PreTrainedModel, checkpoint: Checkpoint, files: list, renamings: list[WeightRenaming],
+    ignore_mismatched_sizes: bool
 ) -> _Plan:
     """Matches checkpoint tensors to model keys and checks the checkpoint against the model.
     The targets come in file order, then byte order, the order to read them in."""
@@ -73,7 +75,8 @@ def plan_loading(
         for name, entry in sorted(file.entries.items(), key=lambda item: item[1].start):
             if name in seen:
                 raise CheckpointError(
-                    f"the tensor is also in {seen[name].path.name}: a checkpoint names each tensor once", file=str(file.path), tensor=name
+                    f"the tensor is also in {seen[name].path.name}: a checkpoint names each tensor once",
+                    file=str(file.path), tensor=name
                 )
             seen[name] = file
             key = _model_key(name, model_keys, renamings, model.base_model_prefix)
@@ -98,7 +101,8 @@ def plan_loading(
         for name, shard in checkpoint.index.items():
             if name not in seen or seen[name].path != shard:  # (not where the index says: refused, not skipped)
                 raise CheckpointError(
-                    f"the index places the tensor in {shard.name}, which does not contain it", file=str(shard), tensor=name
+                    f"the index places the tensor in {shard.name}, which does not contain it",
+                    file=str(shard), tensor=name
                 )
     return plan
 
@@ -185,7 +189,8 @@ def stream_into(model: PreTrainedModel, plan: _Plan, device: torch.device, name:
             progress.update(file.entries[tensor].nbytes)
 
 
-def finalize(model: PreTrainedModel, plan: _Plan, device: torch.device, name: str, ignore_mismatched_sizes: bool) -> LoadStateDictInfo:
+def finalize(model: PreTrainedModel, plan: _Plan, device: torch.device, name: str,
+             ignore_mismatched_sizes: bool) -> LoadStateDictInfo:
     """Transformers' own finalization: missing keys, non-persistent buffers, tying, the report."""
     info = LoadStateDictInfo(
         missing_keys=set(model.state_dict()) - set(plan.targets) - {key for key, _, _ in plan.mismatched},

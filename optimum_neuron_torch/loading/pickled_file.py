@@ -30,7 +30,8 @@ class PickledFile:
         try:
             state = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
         except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError) as error:
-            raise CheckpointError(f"cannot read the pickled weights with weights_only=True: {error}", file=str(self.path)) from error
+            raise CheckpointError(f"cannot read the pickled weights with weights_only=True: {error}",
+                                  file=str(self.path)) from error
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise CheckpointError("the file does not hold a state dict of tensors", file=str(self.path))
         self._tensors: dict[str, torch.Tensor] = state
@@ -51,7 +52,7 @@ class PickledFile:
     def close(self) -> None:
         self._tensors.clear()
 
-    def __enter__(self) -> "PickledFile":
+    def __enter__(self) -> PickledFile:
         return self
 
     def __exit__(self, *exc: object) -> None:

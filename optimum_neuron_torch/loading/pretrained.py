@@ -16,6 +16,7 @@ from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
 from transformers.utils.generic import ContextManagers
 
+from ..errors import ArgumentTypeError, ConfigurationError, UnsupportedModelError
 from .checkpoint import GENERATION_CONFIG_NAME, Checkpoint, resolve_checkpoint
 from .loader import _open, check_device_memory, finalize, plan_loading, release, stream_into
 
@@ -24,7 +25,9 @@ logger = logging.getLogger(__name__)
 DtypeLike = torch.dtype | str | None
 
 
-def _model_class(model_class: type, config: PretrainedConfig, checkpoint: Checkpoint, trust_remote_code: bool) -> type:
+def _model_class(
+    model_class: type, config: PretrainedConfig, checkpoint: Checkpoint, trust_remote_code: bool
+) -> type:
     """The concrete Transformers class: itself, or what an Auto class maps the config to."""
     if not issubclass(model_class, _BaseAutoModelClass):
         return model_class
@@ -35,11 +38,13 @@ def _model_class(model_class: type, config: PretrainedConfig, checkpoint: Checkp
     if type(config) in model_class._model_mapping:
         return _get_model_class(config, model_class._model_mapping)
     if remote is not None:
-        raise ValueError(
+        raise ConfigurationError(
             f"{checkpoint.name} defines its model in its own code ({remote}); pass trust_remote_code=True "
             "if you trust that code (it runs on your machine)."
         )
-    raise ValueError(f"{model_class.__name__} has no model for a {type(config).__name__}; try another Neuron Auto class.")
+    raise UnsupportedModelError(
+        f"{model_class.__name__} has no model for a {type(config).__name__}; try another Neuron Auto class."
+    )
 
 
 def resolve_dtype(dtype: DtypeLike, config: PretrainedConfig, files: list) -> torch.dtype:
@@ -52,7 +57,7 @@ def resolve_dtype(dtype: DtypeLike, config: PretrainedConfig, files: list) -> to
     if isinstance(dtype, str):
         resolved = getattr(torch, dtype, None)
         if not isinstance(resolved, torch.dtype):
-            raise ValueError(f"dtype={dtype!r} is not a torch dtype")
+            raise ConfigurationError(f"dtype={dtype!r} is not a torch dtype")
         dtype = resolved
     return dtype
 
@@ -78,20 +83,23 @@ def load_pretrained(
     trust_remote_code: bool = False,
     allow_pickle: bool = False,
     ignore_mismatched_sizes: bool = False,
+    attn_implementation: str | None = None,
     **config_kwargs: Any,
 ) -> PreTrainedModel:
     """Loads a Transformers model straight onto `device`, streaming its weights from disk. The
-    local folder it was read from is kept as `model.neuron_checkpoint_folder`."""
+    local folder it was read from is kept as `model.neuron_checkpoint_folder`. The arguments are
+    those of `NeuronAutoModel.from_pretrained` (which documents them), less `patches`."""
     checkpoint = resolve_checkpoint(
         name_or_path, revision=revision, token=token, cache_dir=cache_dir,
         local_files_only=local_files_only, allow_pickle=allow_pickle,
     )
-    attn_implementation = config_kwargs.pop("attn_implementation", None)
     config, unused = AutoConfig.from_pretrained(
         checkpoint.folder, trust_remote_code=trust_remote_code, return_unused_kwargs=True, **config_kwargs
     )
     if unused:
-        raise TypeError(f"from_pretrained() got arguments that are neither its own nor config attributes: {sorted(unused)}")
+        raise ArgumentTypeError(
+            f"from_pretrained() got arguments that are neither its own nor config attributes: {sorted(unused)}"
+        )
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation
     config.name_or_path = str(checkpoint.name)
@@ -106,7 +114,9 @@ def load_pretrained(
         model = build_on_meta(concrete, config, dtype)
         conversions = get_model_conversion_mapping(model, None, None)
         if any(not isinstance(c, WeightRenaming) for c in conversions):
-            model = _load_with_transformers(concrete, checkpoint, dtype, device, trust_remote_code, ignore_mismatched_sizes, config)
+            model = _load_with_transformers(
+                concrete, checkpoint, dtype, device, trust_remote_code, ignore_mismatched_sizes, config
+            )
             model.neuron_checkpoint_folder = checkpoint.folder
             return model
         plan = plan_loading(model, checkpoint, files, conversions, ignore_mismatched_sizes)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError
 
 HEADER_LENGTH_BYTES = 8
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
@@ -76,7 +76,8 @@ def _entry(path: Path, name: str, info: object, data_start: int, file_size: int)
     shape, offsets = info["shape"], info["data_offsets"]
     if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
         raise fail(f"invalid shape {shape!r}")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
         raise fail(f"invalid data_offsets {offsets!r}")
     begin, end = offsets
     numel = 1
@@ -84,7 +85,8 @@ def _entry(path: Path, name: str, info: object, data_start: int, file_size: int)
         numel *= dim
     expected = numel * dtype.itemsize
     if not 0 <= begin <= end or end - begin != expected:
-        raise fail(f"data_offsets {offsets} span {end - begin} bytes but shape {shape} of {info['dtype']} needs {expected}")
+        raise fail(f"data_offsets {offsets} span {end - begin} bytes but shape {shape} of {info['dtype']} "
+                   f"needs {expected}")
     if data_start + end > file_size:
         raise fail(f"the tensor's bytes end at {data_start + end}, past the end of the file ({file_size} bytes)")
     return TensorEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
@@ -98,7 +100,10 @@ class SafetensorsFile:
         try:
             self._file = open(self.path, "rb")
         except OSError as error:
-            raise CheckpointError(f"cannot open the file: {error.strerror}", file=str(self.path)) from error
+            missing = isinstance(error, FileNotFoundError)
+            raise (CheckpointNotFoundError if missing else CheckpointError)(
+                f"cannot open the file: {error.strerror}", file=str(self.path)
+            ) from error
         try:
             self.entries = self._read_header()
             size = os.fstat(self._file.fileno()).st_size
@@ -111,7 +116,8 @@ class SafetensorsFile:
         file_size = os.fstat(self._file.fileno()).st_size
         prefix = self._file.read(HEADER_LENGTH_BYTES)
         if len(prefix) < HEADER_LENGTH_BYTES:
-            raise CheckpointError(f"the file has {file_size} bytes, fewer than a safetensors header; {_CORRUPT}", file=str(self.path))
+            raise CheckpointError(f"the file has {file_size} bytes, fewer than a safetensors header; {_CORRUPT}",
+                                  file=str(self.path))
         length = int.from_bytes(prefix, "little")
         if length > MAX_HEADER_BYTES or HEADER_LENGTH_BYTES + length > file_size:
             raise CheckpointError(
@@ -120,17 +126,19 @@ class SafetensorsFile:
         try:
             header = json.loads(self._file.read(length), object_pairs_hook=_no_duplicates(self.path))
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise CheckpointError(f"the header is not valid JSON ({error}); {_CORRUPT}", file=str(self.path)) from error
+            raise CheckpointError(f"the header is not valid JSON ({error}); {_CORRUPT}",
+                                  file=str(self.path)) from error
         if not isinstance(header, dict):
             raise CheckpointError(f"the header is not a JSON object; {_CORRUPT}", file=str(self.path))
         header.pop("__metadata__", None)
         data_start = HEADER_LENGTH_BYTES + length
         entries = {name: _entry(self.path, name, info, data_start, file_size) for name, info in header.items()}
         ordered = sorted(entries.values(), key=lambda e: (e.start, e.end))
-        for previous, current in zip(ordered, ordered[1:]):
+        for previous, current in zip(ordered, ordered[1:], strict=False):
             if current.start < previous.end and current.nbytes and previous.nbytes:
                 raise CheckpointError(
-                    f"its bytes overlap those of tensor {previous.name!r}; {_CORRUPT}", file=str(self.path), tensor=current.name
+                    f"its bytes overlap those of tensor {previous.name!r}; {_CORRUPT}",
+                    file=str(self.path), tensor=current.name
                 )
         return entries
 
@@ -170,7 +178,7 @@ class SafetensorsFile:
             self._map = None
         self._file.close()
 
-    def __enter__(self) -> "SafetensorsFile":
+    def __enter__(self) -> SafetensorsFile:
         return self
 
     def __exit__(self, *exc: object) -> None:

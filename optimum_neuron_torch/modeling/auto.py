@@ -20,9 +20,9 @@ from transformers import (
     PreTrainedModel,
 )
 
-from ..fallbacks import apply_patches
 from ..generation import enable_compiled_generation
 from ..loading import load_pretrained
+from ..patches import apply_patches
 
 
 class _NeuronAutoMixin:
@@ -42,19 +42,89 @@ class _NeuronAutoMixin:
         cache_dir: str | os.PathLike[str] | None = None,
         local_files_only: bool = False,
         trust_remote_code: bool = False,
+        allow_pickle: bool = False,
+        ignore_mismatched_sizes: bool = False,
+        attn_implementation: str | None = None,
         patches: bool | Iterable[str] = True,
         **config_kwargs: Any,
     ) -> PreTrainedModel:
-        """Loads the model for `pretrained_model_name_or_path` (a Hub id or a local folder) onto
-        `device`, in eval mode. `dtype` defaults to the checkpoint's ("auto"). `patches` applies the
-        model patches the architecture needs (True: all that apply; an iterable: those named among
-        them; False: none), listed on `model.neuron_patches` (see optimum_neuron_torch.fallbacks).
-        Other keyword arguments update the config, except `allow_pickle` (load `pytorch_model.bin`
-        with `weights_only=True`), `ignore_mismatched_sizes` and `attn_implementation`."""
+        """Loads the model of a checkpoint straight onto the `neuron` device, streaming its weights
+        from disk one tensor at a time (never a full host copy), and returns the plain Transformers
+        model in eval mode, with the model patches its architecture needs applied.
+
+        Args:
+            pretrained_model_name_or_path (`str` or `os.PathLike`):
+                A Hub model id (`"org/model-id"`) or a local checkpoint folder.
+            revision (`str`, *optional*):
+                The Hub revision (branch, tag or commit) to download.
+            dtype (`torch.dtype` or `str`, *optional*):
+                The dtype of the weights (`torch.bfloat16` or `"bfloat16"`); defaults to the
+                checkpoint's (`"auto"`: the config's `dtype`, else the first floating weight's).
+            device (`torch.device` or `str`, *optional*, defaults to `"neuron"`):
+                Where to load the model (`"neuron"` is the current `neuron` device).
+            token (`str` or `bool`, *optional*):
+                The Hub token, for gated or private repositories.
+            cache_dir (`str` or `os.PathLike`, *optional*):
+                The Hugging Face cache folder to download into.
+            local_files_only (`bool`, *optional*, defaults to `False`):
+                Whether to use only files already in the cache (no download).
+            trust_remote_code (`bool`, *optional*, defaults to `False`):
+                Whether to run the model code a checkpoint ships (`auto_map` in its config).
+            allow_pickle (`bool`, *optional*, defaults to `False`):
+                Whether to load pickled weights (`pytorch_model.bin`) when the checkpoint has no
+                safetensors; they are read with `weights_only=True`.
+            ignore_mismatched_sizes (`bool`, *optional*, defaults to `False`):
+                Whether to initialize, rather than refuse, weights whose shape differs from the
+                checkpoint's (e.g. a classification head with another number of labels).
+            attn_implementation (`str`, *optional*):
+                The attention implementation (`"eager"`, `"sdpa"`, ...), as in Transformers.
+            patches (`bool` or `Iterable[str]`, *optional*, defaults to `True`):
+                The model patches to apply (see `optimum_neuron_torch.patches`): `True`, all that the
+                model needs; an iterable of names, those among them it needs; `False`, none. The
+                patches applied are listed on `model.neuron_patches`.
+            config_kwargs (`dict[str, Any]`, *optional*):
+                Config attributes to override (`num_labels=3`, `use_cache=False`, ...).
+
+        Returns:
+            [`~transformers.PreTrainedModel`]: the Transformers model of the checkpoint's
+            architecture, on `device`, in eval mode; causal and seq2seq language models generate
+            through compiled graphs (see `optimum_neuron_torch.generation`).
+
+        Raises:
+            [`~optimum_neuron_torch.errors.CheckpointNotFoundError`]:
+                If the checkpoint, or a file it needs, cannot be found.
+            [`~optimum_neuron_torch.errors.UnsafeCheckpointError`]:
+                If the checkpoint has only pickled weights and `allow_pickle` is `False`.
+            [`~optimum_neuron_torch.errors.CheckpointError`]:
+                If the checkpoint cannot be loaded (a corrupt file, a missing or mismatched tensor).
+            [`~optimum_neuron_torch.errors.UnsupportedModelError`]:
+                If this class has no model for the checkpoint's configuration.
+            [`~optimum_neuron_torch.errors.ConfigurationError`]:
+                If `dtype` is not a torch dtype, if the model's code ships with the checkpoint and
+                `trust_remote_code` is `False`, or if `patches` names an unknown patch.
+            [`~optimum_neuron_torch.errors.ArgumentTypeError`]:
+                If a keyword argument is neither one of these nor a config attribute.
+            [`~optimum_neuron_torch.errors.InsufficientDeviceMemoryError`]:
+                If the model does not fit in the device's free memory (checked before loading).
+
+        Example:
+
+        ```python
+        >>> import torch
+        >>> from transformers import AutoTokenizer
+        >>> from optimum_neuron_torch import NeuronAutoModelForCausalLM
+
+        >>> model = NeuronAutoModelForCausalLM.from_pretrained("org/model-id", dtype=torch.bfloat16)
+        >>> tokenizer = AutoTokenizer.from_pretrained("org/model-id")
+        >>> inputs = tokenizer("The capital of France is", return_tensors="pt").to("neuron")
+        >>> tokenizer.decode(model.generate(**inputs, max_new_tokens=8)[0])
+        ```
+        """
         model = load_pretrained(
             cls, pretrained_model_name_or_path, revision=revision, dtype=dtype, device=device, token=token,
             cache_dir=cache_dir, local_files_only=local_files_only, trust_remote_code=trust_remote_code,
-            **config_kwargs,
+            allow_pickle=allow_pickle, ignore_mismatched_sizes=ignore_mismatched_sizes,
+            attn_implementation=attn_implementation, **config_kwargs,
         )
         apply_patches(model, None if patches is True else () if patches is False else patches)
         if cls.compiled_generation and model.device.type == "neuron":
@@ -63,35 +133,156 @@ class _NeuronAutoMixin:
 
 
 class NeuronAutoModel(_NeuronAutoMixin, AutoModel):
-    """The base model (hidden states), e.g. for feature extraction and sentence embeddings."""
+    """The base model (hidden states), e.g. for feature extraction and sentence embeddings (see `embed`).
+
+    Not instantiated: `from_pretrained` loads the checkpoint's model straight onto the `neuron`
+    device and returns the plain Transformers model; its docstring lists the arguments (Args),
+    what it returns (Returns) and the errors it raises (Raises).
+
+    Example:
+
+    ```python
+    >>> from transformers import AutoTokenizer
+    >>> from optimum_neuron_torch import NeuronAutoModel
+
+    >>> model = NeuronAutoModel.from_pretrained("sentence-transformers/all-MiniLM-L6-v2")
+    >>> tokenizer = AutoTokenizer.from_pretrained("sentence-transformers/all-MiniLM-L6-v2")
+    >>> outputs = model(**tokenizer("Hello", return_tensors="pt").to("neuron"))
+    >>> outputs.last_hidden_state.shape
+    torch.Size([1, 3, 384])
+    ```
+    """
 
 
 class NeuronAutoModelForCausalLM(_NeuronAutoMixin, AutoModelForCausalLM):
-    """Decoder language models (Llama, Mistral, Qwen2, Gemma2, GPT-2, ...), with compiled generation."""
+    """Decoder language models (Llama, Mistral, Qwen2, Gemma2, GPT-2, ...), with compiled generation:
+    `generate()` runs on static-shape graphs compiled once and cached on disk.
+
+    Not instantiated: `from_pretrained` loads the checkpoint's model straight onto the `neuron`
+    device and returns the plain Transformers model; its docstring lists the arguments (Args),
+    what it returns (Returns) and the errors it raises (Raises).
+
+    Example:
+
+    ```python
+    >>> from transformers import AutoTokenizer
+    >>> from optimum_neuron_torch import NeuronAutoModelForCausalLM
+
+    >>> model = NeuronAutoModelForCausalLM.from_pretrained("org/model-id")
+    >>> tokenizer = AutoTokenizer.from_pretrained("org/model-id")
+    >>> inputs = tokenizer("The capital of France is", return_tensors="pt").to("neuron")
+    >>> tokenizer.decode(model.generate(**inputs, max_new_tokens=8)[0])
+    ```
+    """
 
     compiled_generation = True
 
 
 class NeuronAutoModelForSeq2SeqLM(_NeuronAutoMixin, AutoModelForSeq2SeqLM):
-    """Encoder-decoder language models (T5, BART, ...), with compiled generation."""
+    """Encoder-decoder language models (T5, BART, ...), with compiled generation.
+
+    Not instantiated: `from_pretrained` loads the checkpoint's model straight onto the `neuron`
+    device and returns the plain Transformers model; its docstring lists the arguments (Args),
+    what it returns (Returns) and the errors it raises (Raises).
+
+    Example:
+
+    ```python
+    >>> from transformers import AutoTokenizer
+    >>> from optimum_neuron_torch import NeuronAutoModelForSeq2SeqLM
+
+    >>> model = NeuronAutoModelForSeq2SeqLM.from_pretrained("google-t5/t5-small")
+    >>> tokenizer = AutoTokenizer.from_pretrained("google-t5/t5-small")
+    >>> inputs = tokenizer("translate English to German: Hello", return_tensors="pt").to("neuron")
+    >>> tokenizer.decode(model.generate(**inputs, max_new_tokens=8)[0], skip_special_tokens=True)
+    ```
+    """
 
     compiled_generation = True
 
 
 class NeuronAutoModelForMaskedLM(_NeuronAutoMixin, AutoModelForMaskedLM):
-    """Masked language models (BERT, RoBERTa, ...)."""
+    """Masked language models (BERT, RoBERTa, ...).
+
+    Not instantiated: `from_pretrained` loads the checkpoint's model straight onto the `neuron`
+    device and returns the plain Transformers model; its docstring lists the arguments (Args),
+    what it returns (Returns) and the errors it raises (Raises).
+
+    Example:
+
+    ```python
+    >>> from transformers import AutoTokenizer
+    >>> from optimum_neuron_torch import NeuronAutoModelForMaskedLM
+
+    >>> model = NeuronAutoModelForMaskedLM.from_pretrained("google-bert/bert-base-uncased")
+    >>> tokenizer = AutoTokenizer.from_pretrained("google-bert/bert-base-uncased")
+    >>> logits = model(**tokenizer("Paris is the [MASK] of France.", return_tensors="pt").to("neuron")).logits
+    ```
+    """
 
 
 class NeuronAutoModelForSequenceClassification(_NeuronAutoMixin, AutoModelForSequenceClassification):
-    """Models with a sequence classification head."""
+    """Models with a sequence classification head.
+
+    Not instantiated: `from_pretrained` loads the checkpoint's model straight onto the `neuron`
+    device and returns the plain Transformers model; its docstring lists the arguments (Args),
+    what it returns (Returns) and the errors it raises (Raises).
+
+    Example:
+
+    ```python
+    >>> from transformers import AutoTokenizer
+    >>> from optimum_neuron_torch import NeuronAutoModelForSequenceClassification
+
+    >>> model_id = "distilbert/distilbert-base-uncased-finetuned-sst-2-english"
+    >>> model = NeuronAutoModelForSequenceClassification.from_pretrained(model_id)
+    >>> tokenizer = AutoTokenizer.from_pretrained(model_id)
+    >>> logits = model(**tokenizer("I loved it", return_tensors="pt").to("neuron")).logits
+    >>> model.config.id2label[logits.argmax(-1).item()]
+    'POSITIVE'
+    ```
+    """
 
 
 class NeuronAutoModelForTokenClassification(_NeuronAutoMixin, AutoModelForTokenClassification):
-    """Models with a token classification head."""
+    """Models with a token classification head (named entities, parts of speech).
+
+    Not instantiated: `from_pretrained` loads the checkpoint's model straight onto the `neuron`
+    device and returns the plain Transformers model; its docstring lists the arguments (Args),
+    what it returns (Returns) and the errors it raises (Raises).
+
+    Example:
+
+    ```python
+    >>> from transformers import AutoTokenizer
+    >>> from optimum_neuron_torch import NeuronAutoModelForTokenClassification
+
+    >>> model = NeuronAutoModelForTokenClassification.from_pretrained("dslim/bert-base-NER")
+    >>> tokenizer = AutoTokenizer.from_pretrained("dslim/bert-base-NER")
+    >>> logits = model(**tokenizer("Ada lives in London", return_tensors="pt").to("neuron")).logits
+    ```
+    """
 
 
 class NeuronAutoModelForQuestionAnswering(_NeuronAutoMixin, AutoModelForQuestionAnswering):
-    """Models with an extractive question answering head."""
+    """Models with an extractive question answering head.
+
+    Not instantiated: `from_pretrained` loads the checkpoint's model straight onto the `neuron`
+    device and returns the plain Transformers model; its docstring lists the arguments (Args),
+    what it returns (Returns) and the errors it raises (Raises).
+
+    Example:
+
+    ```python
+    >>> from transformers import AutoTokenizer
+    >>> from optimum_neuron_torch import NeuronAutoModelForQuestionAnswering
+
+    >>> model = NeuronAutoModelForQuestionAnswering.from_pretrained("distilbert/distilbert-base-cased-distilled-squad")
+    >>> tokenizer = AutoTokenizer.from_pretrained("distilbert/distilbert-base-cased-distilled-squad")
+    >>> inputs = tokenizer("Where is Paris?", "Paris is in France.", return_tensors="pt").to("neuron")
+    >>> outputs = model(**inputs)  # outputs.start_logits, outputs.end_logits
+    ```
+    """
 
 
 HEAD_CLASSES = (

@@ -16,6 +16,7 @@ import torch
 import transformers
 from transformers import AutoTokenizer, Pipeline, PreTrainedModel, PreTrainedTokenizerBase
 
+from ..errors import ConfigurationError
 from .question_answering import QuestionAnsweringPipeline
 from .tasks import NEURON_AUTO_CLASSES, PIPELINE_CLASSES, default_model, task_name
 from .text2text_generation import Text2TextGenerationPipeline
@@ -32,20 +33,68 @@ def pipeline(
     device: str | torch.device = "neuron",
     **kwargs: Any,
 ) -> Pipeline:
-    """The pipeline for `task` on `device`. `model` is a Hub id or a local folder (loaded with the
-    task's Neuron Auto class; `revision`, `token`, `cache_dir`, `local_files_only`,
-    `trust_remote_code`, `dtype`, `patches` and `model_kwargs` go to its `from_pretrained`), an
-    already-loaded model, or None for the task's default model. The tokenizer defaults to the
-    model's. Other keyword arguments (e.g. `max_new_tokens`, `top_k`, `batch_size`) go to the pipeline."""
+    """A Transformers pipeline for `task` whose model runs on the `neuron` device, loaded with the
+    task's `NeuronAutoModel*` class (text generation then runs on compiled graphs).
+
+    Args:
+        task (`str`):
+            The task: one of `optimum_neuron_torch.pipelines.tasks.NEURON_AUTO_CLASSES`
+            (`"text-generation"`, `"feature-extraction"`, `"text2text-generation"`,
+            `"question-answering"`, ...) or an alias of one (`TASK_ALIASES`).
+        model (`str`, `os.PathLike` or `PreTrainedModel`, *optional*):
+            A Hub model id or a local folder (loaded with the task's Neuron Auto class), an
+            already-loaded model, or `None` for the task's default model (text-generation:
+            SmolLM2-135M-Instruct; feature-extraction: all-MiniLM-L6-v2, when installed).
+        tokenizer (`str`, `os.PathLike` or `PreTrainedTokenizerBase`, *optional*):
+            The tokenizer, or where to load it from; defaults to the model's.
+        device (`str` or `torch.device`, *optional*, defaults to `"neuron"`):
+            Where the model runs.
+        kwargs (`dict[str, Any]`, *optional*):
+            `revision`, `token`, `cache_dir`, `local_files_only`, `trust_remote_code`, `dtype`,
+            `patches` and `model_kwargs` (config overrides) go to the model's `from_pretrained`
+            (the Hub ones to the tokenizer's too); the others (`max_new_tokens`, `top_k`,
+            `batch_size`, ...) go to the pipeline.
+
+    Returns:
+        [`~transformers.Pipeline`]: the task's pipeline (Transformers' own, or this library's
+        `Text2TextGenerationPipeline` / `QuestionAnsweringPipeline` for the tasks Transformers 5 removed).
+
+    Raises:
+        [`~optimum_neuron_torch.errors.ConfigurationError`]:
+            If the task is not supported, if loading arguments come with an already-loaded model,
+            if a loaded model has no `name_or_path` and no tokenizer is given, or if the task has
+            no default model offline.
+        [`~optimum_neuron_torch.errors.MissingDependencyError`]:
+            If the task's default model ships in a package that is not installed.
+        [`~optimum_neuron_torch.errors.CheckpointError`]:
+            If the model's checkpoint cannot be found or loaded (see `NeuronAutoModel.from_pretrained`).
+
+    Example:
+
+    ```python
+    >>> import optimum_neuron_torch as ont
+
+    >>> generator = ont.pipeline("text-generation")  # the default model, SmolLM2-135M-Instruct
+    >>> generator("What is the capital of France?", max_new_tokens=16)[0]["generated_text"]
+
+    >>> qa = ont.pipeline("question-answering", "distilbert/distilbert-base-cased-distilled-squad")
+    >>> qa(question="Where is Paris?", context="Paris is the capital of France.")["answer"]
+    'France'
+    ```
+    """
     task = task_name(task)
     loading = {name: kwargs.pop(name) for name in LOADING_KWARGS if name in kwargs}
     if isinstance(model, PreTrainedModel):
         if loading:
-            raise ValueError(f"Loading arguments ({', '.join(loading)}) apply only when the pipeline loads the model, and "
-                             "the model passed is already loaded: pass its name or folder instead, or leave them out.")
+            raise ConfigurationError(
+                f"Loading arguments ({', '.join(loading)}) apply only when the pipeline loads the model, and "
+                "the model passed is already loaded: pass its name or folder instead, or leave them out."
+            )
         source = model.name_or_path
         if tokenizer is None and not source:
-            raise ValueError("The model passed has no name_or_path to load its tokenizer from: pass tokenizer=.")
+            raise ConfigurationError(
+                "The model passed has no name_or_path to load its tokenizer from: pass tokenizer=."
+            )
         hub = {}
     else:
         source = str(model if model is not None else default_model(task))

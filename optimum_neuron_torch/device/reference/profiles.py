@@ -89,5 +89,6 @@ def load_profile(spec: str) -> Profile:
         return Profile("custom", read_op_list(spec))
     raise ConfigurationError(
         f"unknown support profile {spec!r}: use 'torchneuron', 'full', or the path of an op list file "
-        "(one aten::op a line, e.g. dumped on a Trn instance with torch._C._dispatch_get_registrations_for_dispatch_key('PrivateUse1'))."
+        "(one aten::op a line, e.g. dumped on a Trn instance with "
+        "torch._C._dispatch_get_registrations_for_dispatch_key('PrivateUse1'))."
     )

@@ -260,9 +260,12 @@ def memory_summary(device: _DeviceLike = None, abbreviated: bool = False) -> str
         ("allocated", stats.get("allocated_bytes.all.current", 0), stats.get("allocated_bytes.all.peak", 0)),
         ("reserved", stats.get("reserved_bytes.all.current", 0), stats.get("reserved_bytes.all.peak", 0)),
     ]
-    lines = [f"neuron:{index} memory (reference device, capacity {total / 2**20:.1f} MiB, free {free / 2**20:.1f} MiB)"]
-    lines += [f"  {name:<10} current {current / 2**20:10.2f} MiB   peak {peak / 2**20:10.2f} MiB" for name, current, peak in rows]
-    lines.append(f"  allocations: {stats.get('allocation.all.current', 0)} live, out-of-memory errors: {stats.get('num_ooms', 0)}")
+    lines = [f"neuron:{index} memory (reference device, capacity {total / 2**20:.1f} MiB, "
+             f"free {free / 2**20:.1f} MiB)"]
+    lines += [f"  {name:<10} current {current / 2**20:10.2f} MiB   peak {peak / 2**20:10.2f} MiB"
+              for name, current, peak in rows]
+    lines.append(f"  allocations: {stats.get('allocation.all.current', 0)} live, "
+                 f"out-of-memory errors: {stats.get('num_ooms', 0)}")
     return "\n".join(lines)
 
 

@@ -114,8 +114,10 @@ def _after_fork_in_child() -> None:
 
 _os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
-from . import kernels, metrics, neuron, profiling, python_ops
-from .memory import (
+# Imported here on purpose: the submodules use the runtime state and functions defined above
+# (`neuron` imports names from this partly initialized package).
+from . import kernels, metrics, neuron, profiling, python_ops  # noqa: E402
+from .memory import (  # noqa: E402
     max_memory_allocated,
     max_memory_reserved,
     memory_allocated,
@@ -125,8 +127,8 @@ from .memory import (
     reset_accumulated_memory_stats,
     reset_peak_memory_stats,
 )
-from .neuron_dynamo_backend.metrics import get_dynamo_metrics, reset_dynamo_metrics
-from .profiling import NeuronProfiler
+from .neuron_dynamo_backend.metrics import get_dynamo_metrics, reset_dynamo_metrics  # noqa: E402
+from .profiling import NeuronProfiler  # noqa: E402
 
 _torch.utils.rename_privateuse1_backend("neuron")
 _C.register_hooks()
@@ -134,7 +136,7 @@ _torch._register_device_module("neuron", neuron)
 _torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
 _C.set_profile(False, list(_config["native_ops"]))
 _C.route_through_device(list(_config["route_ops"]))
-_C.set_fallback_mode(2)  # silent: TorchNeuron's CPU fallback prints nothing
+_C.set_fallback_mode(_C.FallbackMode.silent)  # silent: TorchNeuron's CPU fallback prints nothing
 _C.set_fallback_copies(True)  # and copies inputs to the CPU and results back
 
 
@@ -206,7 +208,7 @@ def _asynchronous() -> bool:
 
 
 def _recorded_ops() -> tuple[frozenset, frozenset]:
-    return frozenset(op for op, _, _ in _C.fallback_stats()), frozenset(_C.executed_ops())
+    return frozenset(op for op, _, _ in _C.fallback_counts()), frozenset(_C.executed_ops())
 
 
 def get_fallback_ops() -> list:
@@ -376,4 +378,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-from . import distributed  # registers the c10d backend "neuron"
+from . import distributed  # noqa: E402  (last on purpose: registers the c10d backend "neuron" once all is defined)

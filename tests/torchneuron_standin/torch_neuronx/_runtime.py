@@ -56,7 +56,8 @@ def load_extension(path: str) -> ModuleType:
     loader = importlib.machinery.ExtensionFileLoader(name, path)
     spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     if spec is None or not os.path.exists(path):
-        raise ImportError(f"the reference device extension {path!r} (from {CONFIG_ENV}) does not exist: rebuild the config")
+        raise ImportError(f"the reference device extension {path!r} (from {CONFIG_ENV}) does not exist: "
+                          "rebuild the config")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     sys.modules[name] = module

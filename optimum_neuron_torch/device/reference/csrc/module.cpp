@@ -10,7 +10,7 @@ py::object default_generator(c10::DeviceIndex index) {
   return py::reinterpret_steal<py::object>(THPGenerator_initDefaultGenerator(neuron::default_generator(index)));
 }
 
-py::list fallback_stats() {
+py::list fallback_counts() {
   py::list stats;
   for (const auto& stat : neuron::fallback_stats()) {
     stats.append(py::make_tuple(stat.op, stat.calls, stat.nanoseconds));
@@ -32,10 +32,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("default_generator", &default_generator);
   m.def("set_profile", &neuron::set_profile, py::arg("all_native"), py::arg("native_ops"));
   m.def("route_through_device", &neuron::route_through_device);
-  m.def("set_fallback_mode", [](int mode) { neuron::set_fallback_mode(static_cast<neuron::FallbackMode>(mode)); });
-  m.def("fallback_mode", [] { return static_cast<int>(neuron::fallback_mode()); });
+  // The modes cross into Python by name: optimum_neuron_torch.settings.FALLBACK_MODES holds the same names.
+  py::enum_<neuron::FallbackMode>(m, "FallbackMode")
+      .value("warn", neuron::FallbackMode::Warn)
+      .value("error", neuron::FallbackMode::Error)
+      .value("silent", neuron::FallbackMode::Silent);
+  m.def("set_fallback_mode", &neuron::set_fallback_mode);
+  m.def("fallback_mode", &neuron::fallback_mode);
   m.def("set_fallback_copies", &neuron::set_fallback_copies);
-  m.def("fallback_stats", &fallback_stats, "(op, calls, nanoseconds) of every op that fell back.");
+  m.def("fallback_counts", &fallback_counts, "(op, calls, nanoseconds) of every op that fell back.");
   m.def("executed_ops", &neuron::executed_ops);
   m.def("clear_op_tracking", &neuron::clear_op_tracking);
 }

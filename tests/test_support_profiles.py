@@ -7,9 +7,9 @@ import warnings
 import pytest
 import torch
 
-from conftest import assert_same, run_python
 from optimum_neuron_torch.device import clear_op_tracking, executed_ops, fallback_ops, reference
 from optimum_neuron_torch.errors import ConfigurationError
+from testing_utils import assert_same, run_python
 
 
 def test_fallbacks_are_counted_exactly(fallback_mode):
@@ -19,7 +19,7 @@ def test_fallbacks_are_counted_exactly(fallback_mode):
     for _ in range(3):
         x.argmax(dim=1)  # aten::argmax.out is not native on TorchNeuron
     y = x + x  # add.Tensor is native
-    stats = reference.fallback_stats()
+    stats = reference.fallback_counts()
     assert stats["aten::argmax.out"][0] == 3
     assert stats["aten::argmax.out"][1] > 0
     assert fallback_ops() == ["aten::argmax.out"]
@@ -27,7 +27,7 @@ def test_fallbacks_are_counted_exactly(fallback_mode):
     assert "aten::argmax.out" not in executed_ops()
     assert_same(y, x.cpu() * 2)
     clear_op_tracking()
-    assert fallback_ops() == [] and reference.fallback_stats() == {}
+    assert fallback_ops() == [] and reference.fallback_counts() == {}
 
 
 def test_fallback_warns_once_per_op_in_torchneuron_words(fallback_mode):
@@ -47,7 +47,8 @@ def test_fallback_warns_once_per_op_in_torchneuron_words(fallback_mode):
 def test_strict_mode_raises_naming_op_and_setting(fallback_mode):
     x = torch.randn(4, 5, device="neuron")
     fallback_mode("error")
-    with pytest.raises(NotImplementedError, match="Operator 'aten::argmax.out' fell back to CPU.*OPTIMUM_NEURON_TORCH_FALLBACK=error"):
+    with pytest.raises(NotImplementedError,
+                       match="Operator 'aten::argmax.out' fell back to CPU.*OPTIMUM_NEURON_TORCH_FALLBACK=error"):
         x.argmax()
     x + x  # native ops still run
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from conftest import run_python
+from testing_utils import run_python
 
 
 def test_forcing_torchneuron_when_absent_is_a_clear_error():

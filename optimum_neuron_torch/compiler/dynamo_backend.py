@@ -16,12 +16,13 @@ import contextlib
 import logging
 import time
 import warnings
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
-from . import artifact, partition, stablehlo
+from ..errors import LoweringError, UnsupportedGraphError
+from . import artifact, partition
 from .cache import STATS, CompileCache, graph_key
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,8 @@ def _has_symbolic_shapes(example_inputs: list[Any]) -> bool:
     for value in example_inputs:
         if isinstance(value, torch.SymInt):
             return True
-        if isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*value.shape, *value.stride())):
+        if isinstance(value, torch.Tensor) and any(isinstance(s, torch.SymInt)
+                                                   for s in (*value.shape, *value.stride())):
             return True
     return False
 
@@ -43,9 +45,10 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs
     """Compiles a Dynamo graph for the reference `neuron` device."""
     mode = kwargs.pop("mode", None)
     if mode not in (None, "default"):
-        warnings.warn(f"torch.compile mode {mode!r} is not supported by the neuron backend; compiling as 'default'.", stacklevel=2)
+        warnings.warn(f"torch.compile mode {mode!r} is not supported by the neuron backend; compiling as 'default'.",
+                      stacklevel=2)
     if _has_symbolic_shapes(example_inputs):
-        raise RuntimeError(
+        raise UnsupportedGraphError(
             f"{DYNAMIC_SHAPES_MESSAGE}. Compile with torch.compile(..., dynamic=False): every new input shape is "
             "then a new (cached) compile, as on Trainium."
         )
@@ -69,7 +72,7 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[
     if not unsupported:
         try:
             return compile_cached(gm, example_inputs, options, strict_lowering=True)
-        except stablehlo.LoweringError:
+        except LoweringError:
             unsupported = partition.failing_to_lower(gm)
     pieces = partition.split(gm, unsupported, lambda piece, inputs: compile_cached(piece, inputs, options))
     return pieces if pieces is not None else compile_cached(gm, example_inputs, options)
@@ -93,7 +96,7 @@ def compile_cached(gm: torch.fx.GraphModule, example_inputs: list[Any], options:
                    *, strict_lowering: bool = False) -> Callable[..., Any]:
     """The compiled graph from the cache, compiled and stored first when it is not there. With
     `strict_lowering`, a graph known (or found) not to lower to StableHLO raises `LoweringError`."""
-    environment = artifact.environment()
+    environment = artifact.compile_environment()
     key = graph_key(gm, example_inputs, environment, options)
     inputs = [list(value.shape) for value in example_inputs if isinstance(value, torch.Tensor)]
 
@@ -105,7 +108,7 @@ def compile_cached(gm: torch.fx.GraphModule, example_inputs: list[Any], options:
     start = time.perf_counter()
     entry, built = CompileCache().get_or_build(key, build)
     if strict_lowering and entry.metadata.get("stablehlo", "ok") != "ok":
-        raise stablehlo.LoweringError(entry.metadata["stablehlo"])
+        raise LoweringError(entry.metadata["stablehlo"])
     compiled = artifact.load(entry.path)
     elapsed = time.perf_counter() - start
     if built:

@@ -22,18 +22,16 @@ import glob
 import importlib
 import importlib.metadata
 import importlib.util
-import os
 import warnings
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import BackendConflictError, BackendUnavailableError, ConfigurationError
+from ..errors import BackendConflictError, BackendUnavailableError
+from ..settings import AUTOLOAD_ENV, BACKEND_ENV, requested_backend
+from ..version import __version__
 
-BACKEND_ENV = "OPTIMUM_NEURON_TORCH_BACKEND"
-BACKENDS = ("auto", "torchneuron", "reference")
 TORCHNEURON_MODULE = "torch_neuronx"
-AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 # Device files the Neuron driver creates, one per Neuron device: present on a Trn instance only.
 NEURON_DEVICE_FILES = "/dev/neuron[0-9]*"
 _UNCLAIMED = "privateuseone"
@@ -41,14 +39,40 @@ _UNCLAIMED = "privateuseone"
 
 @dataclass(frozen=True)
 class BackendInfo:
-    """The active backend: its name, version, support profile and devices."""
+    """The active backend: its name, version, support profile and devices.
 
-    name: str  # "torchneuron" or "reference"
+    Attributes:
+        name: `"torchneuron"` or `"reference"`.
+        version: TorchNeuron's version, or this library's for the reference device.
+        profile: the ops that run natively: `"hardware"` on TorchNeuron, the reference device's
+            support profile (`"torchneuron"`, `"full"` or an op list) otherwise.
+        device_count: `neuron` devices this process sees.
+        torch_version: PyTorch's version.
+        fallback: the fallback policy in force now (`warn`, `error` or `silent`), on both backends.
+        device_memory: memory of one device in bytes.
+    """
+
+    name: str
     version: str
-    profile: str
     device_count: int
-    fallback: str
     torch_version: str = torch.__version__
+
+    @property
+    def profile(self) -> str:
+        """The ops that run natively: `hardware` on TorchNeuron, else the reference device's current
+        support profile."""
+        if self.name != "reference":
+            return "hardware"
+        from . import reference
+
+        return reference.state().profile.name
+
+    @property
+    def fallback(self) -> str:
+        """The fallback policy in force now: `warn`, `error` or `silent` (see `set_fallback_policy`)."""
+        from . import fallback_mode
+
+        return fallback_mode()
 
     @property
     def device_memory(self) -> int:
@@ -65,13 +89,6 @@ class BackendInfo:
 
 
 _active: BackendInfo | None = None
-
-
-def _requested() -> str:
-    requested = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
-    if requested not in BACKENDS:
-        raise ConfigurationError(f"{BACKEND_ENV}={requested!r} must be one of {', '.join(BACKENDS)}.")
-    return requested
 
 
 def _privateuse1_owner() -> str | None:
@@ -142,9 +159,7 @@ def _activate_torchneuron() -> BackendInfo:
     return BackendInfo(
         name="torchneuron",
         version=getattr(importlib.import_module(TORCHNEURON_MODULE), "__version__", "unknown"),
-        profile="hardware",
         device_count=count,
-        fallback="cpu",
     )
 
 
@@ -166,14 +181,10 @@ def _activate_reference() -> BackendInfo:
     from . import reference
 
     state = reference.activate()
-    from .. import __version__
-
     return BackendInfo(
         name="reference",
         version=__version__,
-        profile=state.profile.name,
         device_count=state.settings.device_count,
-        fallback=state.settings.fallback,
     )
 
 
@@ -203,7 +214,7 @@ def activate() -> BackendInfo:
     """Activates the backend once per process and returns what is active."""
     global _active
     if _active is None:
-        requested = _requested()
+        requested = requested_backend()
         if requested == "torchneuron":
             _active = _activate_torchneuron()
         elif requested == "reference":

@@ -83,8 +83,32 @@ _library: torch.library.Library | None = None
 
 @contextlib.contextmanager
 def native_generation_ops() -> Iterator[None]:
-    """Runs `argmax`, `isin`, `sort` and `multinomial` on the `neuron` device from native ops
-    inside the block (nested blocks share one registration)."""
+    """A context manager inside which `argmax`, `isin`, `sort` and `multinomial` run on the `neuron`
+    device as compositions of native ops instead of taking the CPU fallback: the ops Transformers'
+    decoding loop needs (greedy and sampled `generate()`) and TorchNeuron lacks. The kernels are
+    registered for the device through `torch.library` on entry and removed on exit; nested blocks,
+    in any thread, share one registration. The library's own `generate()` enters it.
+
+    Sampling draws its random numbers on the host, from the generator given to `multinomial` or the
+    default one (`torch.manual_seed` seeds it), so it is reproducible.
+
+    Returns:
+        The context manager (it yields nothing).
+
+    Raises:
+        Nothing of its own: inside the block the ops raise what their native compositions raise.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> import optimum_neuron_torch as ont
+
+    >>> scores = torch.randn(2, 32000, device="neuron")
+    >>> with ont.native_generation_ops(), ont.fallback_policy("error"):
+    ...     next_tokens = scores.argmax(-1)  # no fallback: runs as `max.dim` on the device
+    ```
+    """
     global _users, _library
     with _lock:
         if _users == 0:

@@ -7,6 +7,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
+from ..errors import ConfigurationError
+
 RUNS_NATIVELY = "runs natively"
 RUNS_WITH_FALLBACKS = "runs with fallbacks"
 NEEDS_PATCHES = "needs patches"
@@ -66,7 +68,8 @@ class AppliedPatch:
 
 def _calls_line(item: OpFallback | DynamicShapeOp) -> str:
     calls = item.calls if item.calls is not None else "?"
-    return f"{item.op}: {calls} calls, from " + ", ".join(f"{module} ({n})" for module, n in sorted(item.modules.items()))
+    modules = ", ".join(f"{module} ({n})" for module, n in sorted(item.modules.items()))
+    return f"{item.op}: {calls} calls, from {modules}"
 
 
 def _dtype_line(use: DtypeUse) -> str:
@@ -110,7 +113,9 @@ class CompatibilityReport:
     @property
     def falls_back(self) -> bool:
         """Whether anything leaves the device or the compiled graph (what `--strict` refuses)."""
-        return bool(self.fallbacks or self.graph_breaks or self.unlowered_ops or self.compile_error or self.eager_error)
+        return bool(
+            self.fallbacks or self.graph_breaks or self.unlowered_ops or self.compile_error or self.eager_error
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -122,7 +127,8 @@ class CompatibilityReport:
         """(title, lines) pairs shared by the text and Markdown renderings."""
         fallbacks = [_calls_line(item) for item in self.fallbacks]
         dynamic = [_calls_line(item) for item in self.dynamic_shapes]
-        graphs = [f"{self.graph_count} graph(s), {sum(item.count for item in self.graph_breaks)} graph break(s)"] if self.graph_count is not None else []
+        breaks = sum(item.count for item in self.graph_breaks)
+        graphs = [f"{self.graph_count} graph(s), {breaks} graph break(s)"] if self.graph_count is not None else []
         graphs += [f"break at {item.location}: {item.reason}" + (f" (x{item.count})" if item.count > 1 else "")
                    for item in self.graph_breaks]
         graphs += [f"compile failed: {self.compile_error}"] if self.compile_error else []
@@ -130,7 +136,9 @@ class CompatibilityReport:
         dtypes = [_dtype_line(use) for use in self.dtypes]
         patches = [f"{patch.name}: {patch.description}" for patch in self.patches]
         patches += [f"without them, fallback {_calls_line(item)}" for item in self.unpatched_fallbacks]
-        patches += [f"without them, value-dependent shape {_calls_line(item)}" for item in self.unpatched_dynamic_shapes]
+        patches += [
+            f"without them, value-dependent shape {_calls_line(item)}" for item in self.unpatched_dynamic_shapes
+        ]
         patches += [f"without them, {_dtype_line(use)}" for use in self.unpatched_dtypes]
         return [
             ("Eager run", [f"failed: {self.eager_error}"] if self.eager_error else ["completed"]),
@@ -158,8 +166,13 @@ class CompatibilityReport:
         return "\n".join(lines).rstrip() + "\n"
 
     def render(self, format: str = "text") -> str:
-        """The report as `text`, `json` or `markdown`."""
+        """The report as `text`, `json` or `markdown`.
+
+        Raises:
+            [`~optimum_neuron_torch.errors.ConfigurationError`]:
+                If `format` is none of those.
+        """
         renderers = {"text": self.to_text, "json": self.to_json, "markdown": self.to_markdown}
         if format not in renderers:
-            raise ValueError(f"unknown report format {format!r}: use one of {', '.join(renderers)}.")
+            raise ConfigurationError(f"unknown report format {format!r}: use one of {', '.join(renderers)}.")
         return renderers[format]()

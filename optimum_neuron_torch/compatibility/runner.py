@@ -9,7 +9,7 @@ import inspect
 import os
 import warnings
 from collections import Counter, defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,15 +19,19 @@ from transformers import AutoConfig, PreTrainedModel
 
 from .. import modeling
 from ..compiler import CompileCache, recording_partitions, stablehlo
-from ..compiler.backend import recording_cache_keys
-from ..device import backend_info, clear_op_tracking
-from ..fallbacks import fallback_policy, fallback_stats
-from ..fallbacks.modules import ModuleStack, observing_modules
-from ..fallbacks.patches import PATCHES, patched, patches_for
+from ..compiler.dynamo_backend import recording_cache_keys
+from ..device import backend_info, clear_op_tracking, fallback_stats, support_profile
+from ..errors import ArgumentTypeError
+from ..fallbacks import fallback_policy
 from ..loading import resolve_checkpoint
+from ..module_stack import ModuleStack, observing_modules
+from ..patches import PATCHES, patched, patches_for
 from .report import AppliedPatch, CompatibilityReport, DtypeUse, DynamicShapeOp, GraphBreak, OpFallback, UnloweredOp
 
 OUTSIDE_MODULES = "<outside any module>"
+
+# The model's inputs: positional arguments and keyword arguments of its forward.
+Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
 # What TorchNeuron does with the dtypes it does not fully support.
 TREATMENTS = {
@@ -66,11 +70,17 @@ class _OpRecorder(TorchDispatchMode):
         return output
 
     def dtypes(self) -> list[DtypeUse]:
-        treatments = {str(dtype).removeprefix("torch."): text for dtype, text in TREATMENTS.items()} | {SPARSE: SPARSE_TREATMENT}
-        return [DtypeUse(kind, treatments[kind], _first(ops), _first(modules)) for kind, (ops, modules) in sorted(self.uses.items())]
+        treatments = {str(dtype).removeprefix("torch."): text for dtype, text in TREATMENTS.items()}
+        treatments[SPARSE] = SPARSE_TREATMENT
+        return [
+            DtypeUse(kind, treatments[kind], _first(ops), _first(modules))
+            for kind, (ops, modules) in sorted(self.uses.items())
+        ]
 
     def dynamic_shapes(self) -> list[DynamicShapeOp]:
-        return [DynamicShapeOp(op, sum(modules.values()), dict(modules)) for op, modules in sorted(self.dynamic.items())]
+        return [
+            DynamicShapeOp(op, sum(modules.values()), dict(modules)) for op, modules in sorted(self.dynamic.items())
+        ]
 
 
 def _dynamic_output_shape(func: torch._ops.OpOverload, args: tuple) -> bool:
@@ -106,7 +116,7 @@ def _fallbacks_by_module() -> Iterator[tuple[Counter, ModuleStack]]:
     attribute(None)
 
 
-def _eager_run(model: torch.nn.Module, inputs: dict[str, Any], report: CompatibilityReport) -> None:
+def _eager_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityReport) -> None:
     """One forward with the fallback policy silent: what fell back, which dtypes and value-dependent
     shapes it met, any error."""
     clear_op_tracking()
@@ -114,14 +124,16 @@ def _eager_run(model: torch.nn.Module, inputs: dict[str, Any], report: Compatibi
     with fallback_policy("silent"), _fallbacks_by_module() as (counts, stack), _OpRecorder(stack) as recorder:
         try:
             with torch.no_grad():
-                model(**inputs)
+                model(*inputs[0], **inputs[1])
         except Exception as exc:  # the report names the failure
             error = f"{type(exc).__name__}: {_first_line(exc)}"
     by_op: dict[str, dict[str, int]] = defaultdict(dict)
     for (op, module), calls in counts.items():
         by_op[op][module] = calls
     stats = fallback_stats()
-    report.fallbacks = [OpFallback(op, stats[op].calls if op in stats else None, modules) for op, modules in sorted(by_op.items())]
+    report.fallbacks = [
+        OpFallback(op, stats[op].calls if op in stats else None, modules) for op, modules in sorted(by_op.items())
+    ]
     report.dtypes, report.dynamic_shapes, report.eager_error = recorder.dtypes(), recorder.dynamic_shapes(), error
 
 
@@ -138,19 +150,21 @@ def _location(stack: list | None) -> str:
     return f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno} in {frame.name}"
 
 
-def _compiled_run(model: torch.nn.Module, inputs: dict[str, Any], report: CompatibilityReport) -> None:
+def _compiled_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityReport) -> None:
     """Graph breaks (Dynamo's explain), then a `fullgraph=True` compile with the `neuron` backend:
     the graphs it splits around ops the compiler cannot take, and StableHLO lowering."""
     torch._dynamo.reset()
     with torch.no_grad():
-        explanation = torch._dynamo.explain(model)(**inputs)
+        explanation = torch._dynamo.explain(model)(*inputs[0], **inputs[1])
     report.graph_count = explanation.graph_count
-    breaks = Counter((_first_line(reason.reason), _location(reason.user_stack)) for reason in explanation.break_reasons)
+    breaks = Counter(
+        (_first_line(reason.reason), _location(reason.user_stack)) for reason in explanation.break_reasons
+    )
     report.graph_breaks = [GraphBreak(reason, location, count) for (reason, location), count in breaks.items()]
     torch._dynamo.reset()
     with recording_cache_keys() as keys, recording_partitions() as partitions, torch.no_grad():
         try:
-            torch.compile(model, backend="neuron", fullgraph=not report.graph_breaks)(**inputs)
+            torch.compile(model, backend="neuron", fullgraph=not report.graph_breaks)(*inputs[0], **inputs[1])
         except Exception as error:  # the report names the failure (the backend's own, not Dynamo's wrapper)
             error = getattr(error, "inner_exception", None) or error
             report.compile_error = f"{type(error).__name__}: {_first_line(error)}"
@@ -190,43 +204,93 @@ def _removed(before: list, after: list, key: str) -> list:
     return [item for item in before if getattr(item, key) not in remaining]
 
 
-@contextlib.contextmanager
-def _torchneuron_profile() -> Iterator[None]:
-    """The reference device's `torchneuron` support profile inside the block (on TorchNeuron, the
-    hardware decides)."""
-    if backend_info().name != "reference":
-        yield
-        return
-    from ..device import reference
-
-    previous = reference.state().profile
-    reference.set_profile("torchneuron")
-    try:
-        yield
-    finally:
-        reference.set_profile(previous)
+def _split_inputs(example_inputs: Mapping[str, Any] | Sequence[Any]) -> Inputs:
+    """`example_inputs` as (positional, keyword) arguments, their tensors moved to the device."""
+    if isinstance(example_inputs, Mapping):
+        args, kwargs = (), dict(example_inputs)
+    elif isinstance(example_inputs, (tuple, list)):
+        args, kwargs = tuple(example_inputs), {}
+    else:
+        raise ArgumentTypeError(
+            "check(): `example_inputs` takes a dict of keyword arguments or a tuple (or list) of positional "
+            f"arguments of the model's forward, not {type(example_inputs).__name__}."
+        )
+    return tuple(map(_to_device, args)), {key: _to_device(value) for key, value in kwargs.items()}
 
 
-def check(model_or_id: torch.nn.Module | str | os.PathLike[str], example_inputs: dict[str, Any] | None = None, *,
+def _to_device(value: Any) -> Any:
+    return value.to("neuron") if isinstance(value, torch.Tensor) else value
+
+
+def check(model_or_id: torch.nn.Module | str | os.PathLike[str],
+          example_inputs: Mapping[str, Any] | Sequence[Any] | None = None, *,
           sequence_length: int = 16, patches: bool = True, compile: bool = True) -> CompatibilityReport:
-    """What `model_or_id` (a model or any module, a Hub id or a local folder) hits on TorchNeuron:
-    ops that fall back, graph breaks, ops that do not lower to StableHLO, dtypes narrowed or
-    missing, the patches it needs (applied while checking when `patches`), and a verdict. Without `example_inputs`, the
-    model gets random token ids of `sequence_length`. A model given on the CPU is moved to the
-    `neuron` device; patches applied to it are reverted afterwards. A module that is not a
-    Transformers model needs `example_inputs` (keyword arguments of its forward)."""
+    """Reports what a model will hit on TorchNeuron, before anyone rents a Trn instance: ops that
+    fall back to the CPU (with the modules calling them), graph breaks, ops that do not lower to
+    StableHLO, dtypes narrowed or missing, ops with value-dependent shapes, the patches it needs, and
+    a verdict (`runs natively`, `runs with fallbacks`, `needs patches` or `blocked`).
+
+    The model runs on the `neuron` device with TorchNeuron's support profile (on the reference
+    device; on TorchNeuron, the hardware's), once eagerly and once through
+    `torch.compile(backend="neuron")`. A model given on the CPU is moved to the `neuron` device;
+    patches applied to it while checking are reverted afterwards.
+
+    Args:
+        model_or_id (`torch.nn.Module`, `str` or `os.PathLike`):
+            A model (any `nn.Module`), a Hub model id or a local checkpoint folder. A model named
+            by id or folder is loaded through its `NeuronAutoModel*` class without patches.
+        example_inputs (`dict[str, Any]`, `tuple` or `list`, *optional*):
+            The inputs of the model's forward: a dict of keyword arguments, or a tuple (or list) of
+            positional arguments as `torch.export` and `torch.compile` users pass them. Tensors among
+            them (at the top level) are moved to the device. Defaults to random token ids of
+            `sequence_length` (batch 1), with the attention mask (and decoder ids for a seq2seq
+            model); a module that is not a Transformers model needs them.
+        sequence_length (`int`, *optional*, defaults to 16):
+            The length of the default inputs.
+        patches (`bool`, *optional*, defaults to `True`):
+            Whether to apply the patches the model needs while checking (the report then also
+            lists what the model hits without them).
+        compile (`bool`, *optional*, defaults to `True`):
+            Whether to run the compiled path (graph breaks, graph splitting, StableHLO lowering).
+
+    Returns:
+        [`~optimum_neuron_torch.compatibility.CompatibilityReport`]: the findings and the verdict;
+        `report.render("text" | "json" | "markdown")` formats it.
+
+    Raises:
+        [`~optimum_neuron_torch.errors.ArgumentTypeError`]:
+            If `example_inputs` is neither a dict, a tuple nor a list.
+        [`~optimum_neuron_torch.errors.CheckpointError`]:
+            If `model_or_id` names a checkpoint that cannot be found or loaded.
+        [`~optimum_neuron_torch.errors.UnsupportedModelError`]:
+            If no `NeuronAutoModel*` class has a model for the checkpoint's configuration.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> import optimum_neuron_torch as ont
+
+    >>> report = ont.check("org/model-id")  # or a local folder, or a model object
+    >>> print(report.render())  # `render("markdown")` for an issue, `render("json")` for a script
+    >>> report.verdict
+    'runs with fallbacks'
+
+    >>> report = ont.check(my_module, (torch.randn(4, 8), torch.randn(4, 8)))  # positional inputs
+    ```
+    """
     by_name = isinstance(model_or_id, (str, os.PathLike))
+    given_inputs = None if example_inputs is None else _split_inputs(example_inputs)
     model = _load(model_or_id) if by_name else model_or_id
     model.to("neuron").eval()
-    inputs = example_inputs if example_inputs is not None else default_inputs(model, sequence_length)
-    inputs = {key: value.to("neuron") if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
+    inputs = given_inputs if given_inputs is not None else _split_inputs(default_inputs(model, sequence_length))
     info = backend_info()
     report = CompatibilityReport(
         model=str(model_or_id) if by_name else getattr(model, "name_or_path", "") or type(model).__name__,
         architecture=type(model).__name__, backend=f"{info.name} {info.version}",
         profile="torchneuron" if info.name == "reference" else info.profile,
     )
-    with _torchneuron_profile(), warnings.catch_warnings():
+    with support_profile("torchneuron"), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # everything a warning would say is in the report
         _eager_run(model, inputs, report)
         needed = [patch.name for patch in patches_for(model)] if patches else []

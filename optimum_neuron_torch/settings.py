@@ -1,0 +1,182 @@
+"""Every setting of optimum-neuron-torch in one place: the environment variables it reads, their
+defaults and parsers, and where it keeps its caches.
+
+| variable | default | meaning |
+| --- | --- | --- |
+| `OPTIMUM_NEURON_TORCH_BACKEND` | `auto` | `auto`, `torchneuron` or `reference`: which backend provides `neuron` |
+| `OPTIMUM_NEURON_TORCH_FALLBACK` | `warn` | `warn`, `error` or `silent`: what an op without a native kernel does |
+| `OPTIMUM_NEURON_TORCH_CACHE` | `$XDG_CACHE_HOME/optimum-neuron-torch` | root of the library's caches |
+| `OPTIMUM_NEURON_TORCH_COMPILE_CACHE` | `<cache root>/compiled` | the compile cache |
+| `OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT` | `0` | refuse graphs TorchNeuron cannot take instead of splitting them |
+| `OPTIMUM_NEURON_TORCH_PROFILE` | `torchneuron` | reference device: its support profile (`torchneuron`, `full` or an op list) |
+| `OPTIMUM_NEURON_TORCH_DEVICE_MEMORY` | 24 GiB, capped by the host | reference device: memory per device |
+| `OPTIMUM_NEURON_TORCH_DEVICE_COUNT` | `1` | reference device: number of devices |
+| `OPTIMUM_NEURON_TORCH_FALLBACK_COPY` | `0` | reference device: copy fallback inputs and results as TorchNeuron does |
+
+Each setting is read when it is used (the backend and the reference device's settings once, when
+the device is activated), so tests and users may set the variables after import.
+"""  # noqa: E501 (a Markdown table row above cannot be wrapped)
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigurationError
+from .host import available_memory
+
+BACKEND_ENV = "OPTIMUM_NEURON_TORCH_BACKEND"
+FALLBACK_ENV = "OPTIMUM_NEURON_TORCH_FALLBACK"
+CACHE_ENV = "OPTIMUM_NEURON_TORCH_CACHE"
+COMPILE_CACHE_ENV = "OPTIMUM_NEURON_TORCH_COMPILE_CACHE"
+DISABLE_GRAPH_SPLIT_ENV = "OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT"
+PROFILE_ENV = "OPTIMUM_NEURON_TORCH_PROFILE"
+DEVICE_MEMORY_ENV = "OPTIMUM_NEURON_TORCH_DEVICE_MEMORY"
+DEVICE_COUNT_ENV = "OPTIMUM_NEURON_TORCH_DEVICE_COUNT"
+FALLBACK_COPY_ENV = "OPTIMUM_NEURON_TORCH_FALLBACK_COPY"
+
+# Variables of PyTorch and TorchNeuron the library reads (never sets).
+AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"
+NEFF_CACHE_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"
+NEFF_CACHE_DEFAULT = "/tmp/neff_cache"  # TorchNeuron's default
+CXX_ENV = "CXX"  # the C++ compiler (as for PyTorch's extension builder)
+
+BACKENDS = ("auto", "torchneuron", "reference")
+FALLBACK_MODES = ("warn", "error", "silent")
+PROFILES = ("torchneuron", "full")  # or the path of an op list
+MAX_DEVICE_COUNT = 64  # a trn2.48xlarge: 16 chips of 4 logical NeuronCores
+# One Trn2 logical NeuronCore (LNC=2) has 24 GiB of HBM.
+TRN2_LOGICAL_CORE_MEMORY = 24 * 1024**3
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+          "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+# Parsers -----------------------------------------------------------------------------------------
+def parse_flag(name: str, default: bool = False) -> bool:
+    """The boolean environment variable `name`: `1/true/yes/on` or `0/false/no/off` (any case).
+
+    Raises:
+        ConfigurationError: any other value.
+    """
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    text = text.strip().lower()
+    if text not in _TRUE + _FALSE:
+        raise ConfigurationError(f"{name}={text!r} must be 0 or 1 (or true/false, yes/no, on/off).")
+    return text in _TRUE
+
+
+def parse_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """The environment variable `name`, lower-cased, one of `choices` (`default` when unset or empty).
+
+    Raises:
+        ConfigurationError: any other value.
+    """
+    text = os.environ.get(name, "").strip().lower() or default
+    if text not in choices:
+        raise ConfigurationError(f"{name}={text!r} must be one of {', '.join(choices)}.")
+    return text
+
+
+def parse_bytes(text: str, name: str = DEVICE_MEMORY_ENV) -> int:
+    """Parses `1073741824`, `24GiB`, `512 MB` and the like into a positive number of bytes.
+
+    Raises:
+        ConfigurationError: not a size, or not positive (the message names `name`).
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ConfigurationError(f"{name}={text!r} is not a size: write bytes, "
+                                 "or a number with a unit such as 24GiB or 512MB.")
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise ConfigurationError(f"{name}={text!r} must be a positive size.")
+    return size
+
+
+# Settings of the whole library -------------------------------------------------------------------
+def requested_backend() -> str:
+    """`OPTIMUM_NEURON_TORCH_BACKEND`: `auto` (default), `torchneuron` or `reference`."""
+    return parse_choice(BACKEND_ENV, BACKENDS, "auto")
+
+
+def fallback_mode() -> str:
+    """`OPTIMUM_NEURON_TORCH_FALLBACK`: the fallback policy at start, `warn` (default), `error` or `silent`."""
+    return parse_choice(FALLBACK_ENV, FALLBACK_MODES, "warn")
+
+
+def cache_dir() -> Path:
+    """Root of the library's on-disk caches (the reference device's builds, compiled graphs, the
+    converted default model): `$OPTIMUM_NEURON_TORCH_CACHE`, else `optimum-neuron-torch` in
+    `$XDG_CACHE_HOME` (`~/.cache`)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "optimum-neuron-torch"
+
+
+def compile_cache_dir() -> Path:
+    """The compile cache: `$OPTIMUM_NEURON_TORCH_COMPILE_CACHE`, else `compiled/` in `cache_dir()`."""
+    if os.environ.get(COMPILE_CACHE_ENV):
+        return Path(os.environ[COMPILE_CACHE_ENV]).expanduser()
+    return cache_dir() / "compiled"
+
+
+def neff_cache_dir() -> Path:
+    """Where TorchNeuron keeps its compiled NEFFs (`TORCH_NEURONX_NEFF_CACHE_DIR`); on TorchNeuron,
+    that cache is in charge."""
+    return Path(os.environ.get(NEFF_CACHE_ENV) or NEFF_CACHE_DEFAULT)
+
+
+def cxx_compiler() -> str:
+    """The C++ compiler that builds the reference device: `$CXX`, else `c++`."""
+    return os.environ.get(CXX_ENV) or "c++"
+
+
+def graph_split_disabled() -> bool:
+    """`OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT`: refuse a graph with ops TorchNeuron's compiler
+    cannot take instead of splitting it (default: split)."""
+    return parse_flag(DISABLE_GRAPH_SPLIT_ENV)
+
+
+# Settings of the reference device ----------------------------------------------------------------
+@dataclass(frozen=True)
+class ReferenceDeviceSettings:
+    """What the environment asks of the reference device, read once when it is activated."""
+
+    device_memory: int
+    device_count: int
+    profile: str
+    fallback: str
+    fallback_copies: bool
+
+
+def default_device_memory() -> int:
+    """One Trn2 logical core's memory, capped by what the host can give."""
+    available = available_memory()
+    return TRN2_LOGICAL_CORE_MEMORY if available is None else min(TRN2_LOGICAL_CORE_MEMORY, available)
+
+
+def reference_device_settings() -> ReferenceDeviceSettings:
+    """Reads and validates every environment variable of the reference device.
+
+    Raises:
+        ConfigurationError: a variable with a value the device cannot use (named in the message).
+    """
+    memory_text = os.environ.get(DEVICE_MEMORY_ENV)
+    count_text = os.environ.get(DEVICE_COUNT_ENV, "1")
+    if not count_text.strip().isdigit() or not 1 <= int(count_text) <= MAX_DEVICE_COUNT:
+        raise ConfigurationError(f"{DEVICE_COUNT_ENV}={count_text!r} must be a whole number "
+                                 f"from 1 to {MAX_DEVICE_COUNT}.")
+    return ReferenceDeviceSettings(
+        device_memory=parse_bytes(memory_text) if memory_text else default_device_memory(),
+        device_count=int(count_text),
+        profile=os.environ.get(PROFILE_ENV, "").strip() or PROFILES[0],
+        fallback=fallback_mode(),
+        fallback_copies=parse_flag(FALLBACK_COPY_ENV),
+    )

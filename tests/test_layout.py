@@ -1,0 +1,87 @@
+"""The package's layout: each concept in one place, and imports that run downward through the
+layers README.md lists (a newcomer reads the package top to bottom)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import optimum_neuron_torch
+
+PACKAGE = Path(optimum_neuron_torch.__file__).parent
+# The layers, lowest first: a module may import from its own layer's modules listed before it and
+# from lower layers only (README.md, "Layout").
+LAYERS = [
+    ["version", "errors", "host", "settings", "staging", "module_stack"],
+    ["device"],
+    ["compiler"],
+    ["loading"],
+    ["fallbacks", "patches"],
+    ["generation"],
+    ["modeling"],
+    ["compatibility", "pipelines"],
+    ["commands"],
+    ["__init__"],
+]
+
+
+def _imports(path: Path) -> list[tuple[str | None, int, list[str]]]:
+    """(module, level, names) of every `from ... import ...` in a file."""
+    tree = ast.parse(path.read_text())
+    return [(node.module, node.level, [alias.name for alias in node.names])
+            for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+
+
+def _absolute(path: Path, module: str | None, level: int) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    base = parts[: len(parts) - level] if level else []
+    return ".".join(base + ([module] if module else []))
+
+
+def test_environment_variables_are_read_in_the_settings_module_only():
+    readers = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+                     if "os.environ.get(" in path.read_text() or "os.getenv(" in path.read_text())
+    # commands/env.py reports variables (that is its job); compiler/artifact.py saves and restores
+    # Inductor's cache variable around a compile (it sets it).
+    assert readers == ["commands/env.py", "compiler/artifact.py", "settings.py"]
+
+
+def test_no_module_imports_the_package_top_or_the_reference_devices_internals():
+    for path in PACKAGE.rglob("*.py"):
+        for module, level, names in _imports(path):
+            if level == 0 and not (module or "").startswith("optimum_neuron_torch"):
+                continue
+            target = _absolute(path, module, level) if level else module
+            where = f"{path.relative_to(PACKAGE)} imports {names} from {target}"
+            if target == "optimum_neuron_torch" and path != PACKAGE / "__init__.py":  # submodules only
+                assert all((PACKAGE / name).is_dir() or (PACKAGE / f"{name}.py").is_file() for name in names), where
+            if PACKAGE / "device" / "reference" in path.parents:
+                continue
+            reached = [target, *(f"{target}.{name}" for name in names)]
+            internal = [name for name in reached if name.startswith("optimum_neuron_torch.device.reference")]
+            # Only the device layer itself uses the reference device, and only through its package API.
+            assert not internal or (path.parent == PACKAGE / "device"
+                                    and internal == ["optimum_neuron_torch.device.reference"]), where
+
+
+def _rank(name: str) -> tuple[int, int]:
+    return next((layer, LAYERS[layer].index(name)) for layer in range(len(LAYERS)) if name in LAYERS[layer])
+
+
+def test_imports_run_downward_through_the_layers():
+    tops = {path.name.removesuffix(".py") for path in PACKAGE.iterdir()
+            if path.suffix == ".py" or (path / "__init__.py").is_file()}
+    assert tops == {name for layer in LAYERS for name in layer}  # a new top-level module gets a layer
+    for path in PACKAGE.rglob("*.py"):
+        source = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+        for module, level, names in _imports(path):
+            target = _absolute(path, module, level) if level else module or ""
+            if not target.startswith("optimum_neuron_torch"):
+                continue
+            parts = target.split(".")[1:]
+            for imported in parts[:1] or names:
+                if imported == source:
+                    continue
+                below = _rank(imported) < _rank(source) and (
+                    _rank(imported)[0] < _rank(source)[0] or LAYERS[_rank(source)[0]] == LAYERS[0])
+                assert below, f"{path.relative_to(PACKAGE)} imports {imported}, which is not below {source}"
