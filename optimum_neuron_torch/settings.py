@@ -152,7 +152,6 @@ class ReferenceDeviceSettings:
     device_memory: int
     device_count: int
     profile: str
-    fallback: str
     fallback_copies: bool
 
 
@@ -177,6 +176,5 @@ def reference_device_settings() -> ReferenceDeviceSettings:
         device_memory=parse_bytes(memory_text) if memory_text else default_device_memory(),
         device_count=int(count_text),
         profile=os.environ.get(PROFILE_ENV, "").strip() or PROFILES[0],
-        fallback=fallback_mode(),
         fallback_copies=parse_flag(FALLBACK_COPY_ENV),
     )

@@ -84,14 +84,14 @@ def test_reference_device_settings(monkeypatch):
                  settings.FALLBACK_COPY_ENV):
         monkeypatch.delenv(name, raising=False)
     defaults = settings.reference_device_settings()
-    assert defaults.device_count == 1 and defaults.profile == "torchneuron" and defaults.fallback == "warn"
+    assert defaults.device_count == 1 and defaults.profile == "torchneuron"
     assert defaults.fallback_copies is False
     assert 0 < defaults.device_memory <= settings.TRN2_LOGICAL_CORE_MEMORY
     monkeypatch.setenv(settings.DEVICE_MEMORY_ENV, "1GiB")
     monkeypatch.setenv(settings.DEVICE_COUNT_ENV, "64")
     monkeypatch.setenv(settings.PROFILE_ENV, "full")
     monkeypatch.setenv(settings.FALLBACK_COPY_ENV, "true")
-    assert settings.reference_device_settings() == settings.ReferenceDeviceSettings(2**30, 64, "full", "warn", True)
+    assert settings.reference_device_settings() == settings.ReferenceDeviceSettings(2**30, 64, "full", True)
     for count in ("0", "65", "two", "-1"):
         monkeypatch.setenv(settings.DEVICE_COUNT_ENV, count)
         with pytest.raises(ConfigurationError, match=rf"^OPTIMUM_NEURON_TORCH_DEVICE_COUNT='{count}' "

@@ -110,6 +110,10 @@ class CompileCache:
     def get_or_build(self, key: str, build: Callable[[Path], dict[str, Any]]) -> tuple[Entry, bool]:
         """The entry for `key`, built by `build(folder)` when missing; also says whether it was
         built here. `build` fills a fresh folder and returns the entry's metadata."""
+        entry = self.get(key)
+        if entry is not None:  # the usual case, every cached graph: one read of the metadata
+            return entry, False
+
         def build_entry(folder: Path) -> None:
             metadata = {"key": key, "created": time.time(), **build(folder)}
             (folder / METADATA).write_text(json.dumps(metadata, indent=1, sort_keys=True))

@@ -17,7 +17,6 @@ import torch
 
 from ..errors import ConfigurationError
 from ..settings import FALLBACK_MODES
-from ..settings import fallback_mode as _fallback_mode_at_start
 from .selection import BackendInfo, activate
 
 
@@ -130,19 +129,17 @@ def fallback_stats() -> dict[str, FallbackStats]:
 
 # The fallback policy's mode. The reference device applies it itself, to each op call before it runs,
 # so it lives in the device; TorchNeuron has no such setting (the policy acts on its op tracker), so
-# the mode is kept here.
-_torchneuron_fallback_mode: str | None = None
+# the mode is kept here. Both start at `warn`; `import optimum_neuron_torch` then sets the mode that
+# OPTIMUM_NEURON_TORCH_FALLBACK asks for (the fallback policy does, when it is imported).
+_torchneuron_fallback_mode = "warn"
 
 
 def fallback_mode() -> str:
     """The fallback policy in force: `warn`, `error` or `silent` (`fallbacks.set_fallback_policy` sets it)."""
-    global _torchneuron_fallback_mode
     if activate().name == "reference":
         from . import reference
 
         return reference.fallback_mode()
-    if _torchneuron_fallback_mode is None:
-        _torchneuron_fallback_mode = _fallback_mode_at_start()
     return _torchneuron_fallback_mode
 
 

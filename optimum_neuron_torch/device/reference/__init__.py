@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ...errors import BackendUnavailableError, ConfigurationError, ReferenceDeviceBuildError
+from ...errors import BackendUnavailableError, ReferenceDeviceBuildError
 from ...settings import FALLBACK_MODES, ReferenceDeviceSettings, reference_device_settings
 from . import torch_module
 from .build import load_extension
@@ -64,7 +64,6 @@ def activate() -> ReferenceState:
 
     _state = ReferenceState(extension, settings, profile)
     set_profile(profile)
-    set_fallback_mode(settings.fallback)
     extension.set_fallback_copies(settings.fallback_copies)
     return _state
 
@@ -131,9 +130,8 @@ def _check_fallback_modes(extension: Any) -> None:
 
 def set_fallback_mode(mode: str) -> None:
     """`warn` (one warning per op), `error` (a fallback raises) or `silent`, applied by the C++
-    fallback path to every op call (the enum member of the same name)."""
-    if mode not in FALLBACK_MODES:
-        raise ConfigurationError(f"unknown fallback mode {mode!r}: use one of {', '.join(FALLBACK_MODES)}.")
+    fallback path to every op call (the enum member of the same name). The mode is checked by the
+    caller, `optimum_neuron_torch.device.set_fallback_mode`."""
     state().extension.set_fallback_mode(state().extension.FallbackMode.__members__[mode])
 
 
