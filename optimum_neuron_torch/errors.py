@@ -23,12 +23,16 @@ from the C++ dispatcher, which cannot raise a Python subclass).
     ├── MissingDependencyError (ImportError)        an optional package the call needs is not installed
     ├── InsufficientDeviceMemoryError (torch.OutOfMemoryError)
     ├── UnsupportedGraphError (RuntimeError)        a graph TorchNeuron's compiler cannot take
-    └── LoweringError (RuntimeError)                a graph that does not lower to StableHLO
+    ├── LoweringError (RuntimeError)                a graph that does not lower to StableHLO
+    ├── CollectiveArgumentError (ValueError)        a collective given tensors it cannot take (names them)
+    └── CollectiveError (torch.distributed.DistBackendError)
+                                                    a collective that failed: a peer exited or timed out
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed
 
 
 class NeuronTorchError(Exception):
@@ -93,3 +97,23 @@ class UnsupportedGraphError(NeuronTorchError, RuntimeError):
 class LoweringError(NeuronTorchError, RuntimeError):
     """A graph does not lower to StableHLO, so TorchNeuron's compiler could not take it; the
     message is Torch-MLIR's first diagnostic."""
+
+
+class CollectiveArgumentError(NeuronTorchError, ValueError):
+    """A collective of the `neuron` process group was given tensors it cannot take: on the CPU or on
+    several devices, or of sizes that do not fit the collective (the message names the tensor)."""
+
+
+class CollectiveError(NeuronTorchError, torch.distributed.DistBackendError):
+    """A collective of the `neuron` process group failed: a peer exited, or the group's timeout passed.
+
+    Attributes:
+        rank: the rank that raised it (in its group).
+        failed_ranks: the group's ranks whose process had exited when the failure was seen (empty
+            when none had: a peer stuck, or on another host).
+    """
+
+    def __init__(self, message: str, *, rank: int, failed_ranks: list[int]):
+        super().__init__(message)
+        self.rank = rank
+        self.failed_ranks = failed_ranks

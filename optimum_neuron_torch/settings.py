@@ -10,7 +10,7 @@ defaults and parsers, and where it keeps its caches.
 | `OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT` | `0` | refuse graphs TorchNeuron cannot take instead of splitting them |
 | `OPTIMUM_NEURON_TORCH_PROFILE` | `torchneuron` | reference device: its support profile (`torchneuron`, `full` or an op list) |
 | `OPTIMUM_NEURON_TORCH_DEVICE_MEMORY` | 24 GiB, capped by the host | reference device: memory per device |
-| `OPTIMUM_NEURON_TORCH_DEVICE_COUNT` | `1` | reference device: number of devices |
+| `OPTIMUM_NEURON_TORCH_DEVICE_COUNT` | `1`, or `LOCAL_WORLD_SIZE` under a launcher | reference device: number of devices |
 | `OPTIMUM_NEURON_TORCH_FALLBACK_COPY` | `0` | reference device: copy fallback inputs and results as TorchNeuron does |
 
 Each setting is read when it is used (the backend and the reference device's settings once, when
@@ -42,6 +42,9 @@ AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 NEFF_CACHE_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"
 NEFF_CACHE_DEFAULT = "/tmp/neff_cache"  # TorchNeuron's default
 CXX_ENV = "CXX"  # the C++ compiler (as for PyTorch's extension builder)
+# Set by torchrun (and other launchers) in each process: one neuron device per local rank.
+LOCAL_RANK_ENV = "LOCAL_RANK"
+LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
 
 BACKENDS = ("auto", "torchneuron", "reference")
 FALLBACK_MODES = ("warn", "error", "silent")
@@ -153,6 +156,7 @@ class ReferenceDeviceSettings:
     device_count: int
     profile: str
     fallback_copies: bool
+    default_device: int = 0  # the device threads start on: the local rank under a launcher
 
 
 def default_device_memory() -> int:
@@ -168,13 +172,31 @@ def reference_device_settings() -> ReferenceDeviceSettings:
         ConfigurationError: a variable with a value the device cannot use (named in the message).
     """
     memory_text = os.environ.get(DEVICE_MEMORY_ENV)
-    count_text = os.environ.get(DEVICE_COUNT_ENV, "1")
-    if not count_text.strip().isdigit() or not 1 <= int(count_text) <= MAX_DEVICE_COUNT:
-        raise ConfigurationError(f"{DEVICE_COUNT_ENV}={count_text!r} must be a whole number "
-                                 f"from 1 to {MAX_DEVICE_COUNT}.")
+    device_count = _count(DEVICE_COUNT_ENV, None) or _count(LOCAL_WORLD_SIZE_ENV, None) or 1
+    default_device = 0
+    if os.environ.get(LOCAL_RANK_ENV, "").strip():
+        rank_text = os.environ[LOCAL_RANK_ENV]
+        if not rank_text.strip().isdigit() or int(rank_text) >= device_count:
+            raise ConfigurationError(
+                f"{LOCAL_RANK_ENV}={rank_text!r} names no device of this process's {device_count} neuron device(s) "
+                f"(from {DEVICE_COUNT_ENV if os.environ.get(DEVICE_COUNT_ENV) else LOCAL_WORLD_SIZE_ENV}): each "
+                f"local rank uses the device of its number; unset {DEVICE_COUNT_ENV} under a launcher."
+            )
+        default_device = int(rank_text)
     return ReferenceDeviceSettings(
         device_memory=parse_bytes(memory_text) if memory_text else default_device_memory(),
-        device_count=int(count_text),
+        device_count=device_count,
         profile=os.environ.get(PROFILE_ENV, "").strip() or PROFILES[0],
         fallback_copies=parse_flag(FALLBACK_COPY_ENV),
+        default_device=default_device,
     )
+
+
+def _count(name: str, default: int | None) -> int | None:
+    """A device count from the environment variable `name`: 1 to MAX_DEVICE_COUNT (`default` when unset)."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    if not text.isdigit() or not 1 <= int(text) <= MAX_DEVICE_COUNT:
+        raise ConfigurationError(f"{name}={text!r} must be a whole number from 1 to {MAX_DEVICE_COUNT}.")
+    return int(text)

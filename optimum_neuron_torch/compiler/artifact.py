@@ -83,6 +83,7 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
     what the entry records about it. With `strict_lowering`, a graph that does not lower to
     StableHLO raises `LoweringError` before anything is compiled (the backend then splits it)."""
     from torch._inductor import standalone_compile
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
     from .inductor_device import host_memory_codegen, register
 
@@ -90,6 +91,10 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
     if stablehlo.available():
         metadata["stablehlo"] = _lower_to_stablehlo(gm, example_inputs, folder, strict_lowering)
     register()
+    # Inductor probes which vector instruction sets the host compiler and CPU support by building a
+    # small library per set, once per process, in its cache. Probed in its shared cache (not the
+    # entry's kernel folder), the libraries are built once per machine instead of once per process.
+    valid_vec_isa_list()
     start = time.perf_counter()
     with host_memory_codegen(), _inductor_cache_in(folder / KERNELS_DIR):
         compiled = standalone_compile(

@@ -12,7 +12,7 @@ import torch
 
 from ...errors import BackendUnavailableError, ReferenceDeviceBuildError
 from ...settings import FALLBACK_MODES, ReferenceDeviceSettings, reference_device_settings
-from . import torch_module
+from . import distributed, torch_module
 from .build import load_extension
 from .profiles import DEVICE_ONLY_OPS, VIEW_OPS, Profile, load_profile, shipped_op_list
 
@@ -49,6 +49,7 @@ def activate() -> ReferenceState:
     _check_fallback_modes(extension)
 
     extension.set_device_count(settings.device_count)
+    extension.set_default_device(settings.default_device)
     extension.set_capacity(settings.device_memory)
     torch.utils.rename_privateuse1_backend(DEVICE_NAME)
     extension.register_hooks()
@@ -61,6 +62,9 @@ def activate() -> ReferenceState:
     # Ops a backend implements run as themselves rather than decomposed, as on TorchNeuron.
     implemented = profile.native_ops if profile.native_ops is not None else shipped_op_list()
     extension.route_through_device(sorted(implemented | DEVICE_ONLY_OPS))
+
+    # The `neuron` process-group backend, registered at activation as `import torch_neuronx` does.
+    distributed.register(extension.host_view)
 
     _state = ReferenceState(extension, settings, profile)
     set_profile(profile)

@@ -329,9 +329,9 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, const 
     } else if (v.isDevice() && v.toDevice().type() == kNeuron) {
       v = c10::Device(c10::kCPU);
     } else if (v.isGenerator() && v.toGenerator().device().type() == kNeuron) {
-      v = cpu_generator_of(v.toGenerator());
+      v = draw_generator(v.toGenerator());
     } else if (v.isNone() && static_cast<int>(i) == entry.generator_arg) {
-      v = cpu_generator_of(default_generator(device));
+      v = draw_generator(default_generator(device));
     }
   }
 

@@ -109,7 +109,7 @@ std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, doubl
   }
   const double keep = 1.0 - p;
   at::Tensor mask = at::empty_like(host, at::MemoryFormat::Contiguous);
-  mask.bernoulli_(keep, cpu_generator_of(default_generator(device)));
+  mask.bernoulli_(keep, draw_generator(default_generator(device)));
   at::Tensor output = host.mul(mask).mul_(keep == 0.0 ? 0.0 : 1.0 / keep);
   return {to_device(output, device), to_device(mask.to(at::kBool), device)};
 }

@@ -10,6 +10,16 @@ py::object default_generator(c10::DeviceIndex index) {
   return py::reinterpret_steal<py::object>(THPGenerator_initDefaultGenerator(neuron::default_generator(index)));
 }
 
+// Unlike neuron::host_view (used inside one kernel call), the view holds the device storage: it may
+// outlive the caller's reference (a collective in flight).
+at::Tensor host_view(const at::Tensor& t) {
+  TORCH_CHECK(t.device().type() == neuron::kNeuron, "host_view: expected a neuron tensor, got one on ", t.device());
+  c10::Storage storage = t.storage();
+  return at::from_blob(
+      t.data_ptr(), t.sizes(), t.strides(), [storage](void* /*unused*/) {},
+      at::TensorOptions().dtype(t.dtype()).device(c10::kCPU));
+}
+
 py::list fallback_counts() {
   py::list stats;
   for (const auto& stat : neuron::fallback_stats()) {
@@ -27,9 +37,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_device_count", &neuron::set_device_count);
   m.def("current_device", &neuron::current_device);
   m.def("set_current_device", &neuron::set_current_device);
+  m.def("set_default_device", &neuron::set_default_device);
   m.def("capacity", &neuron::capacity, "Device memory capacity in bytes, per device.");
   m.def("set_capacity", &neuron::set_capacity);
   m.def("default_generator", &default_generator);
+  m.def("host_view", &host_view, "A CPU tensor over the memory of a neuron tensor (no copy), keeping it alive.");
   m.def("set_profile", &neuron::set_profile, py::arg("all_native"), py::arg("native_ops"));
   m.def("route_through_device", &neuron::route_through_device);
   // The modes cross into Python by name: optimum_neuron_torch.settings.FALLBACK_MODES holds the same names.

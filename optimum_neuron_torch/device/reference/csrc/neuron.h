@@ -20,6 +20,8 @@ c10::DeviceIndex device_count();
 void set_device_count(c10::DeviceIndex count);
 c10::DeviceIndex current_device();
 void set_current_device(c10::DeviceIndex index);
+// The device every thread starts on (the local rank under a launcher).
+void set_default_device(c10::DeviceIndex index);
 void check_device_index(c10::DeviceIndex index);
 
 void register_hooks();
@@ -37,8 +39,9 @@ bool is_pinned(const void* ptr);
 // ---- random numbers (runtime.cpp) ----
 const at::Generator& default_generator(c10::DeviceIndex index);
 at::Generator new_generator(c10::DeviceIndex index);
-// The CPU generator a `neuron` generator draws from: CPU kernels only accept CPU generators.
-at::Generator cpu_generator_of(const at::Generator& gen);
+// A CPU generator for one draw of a `neuron` generator (CPU kernels only accept CPU generators):
+// seeded from the generator's (seed, offset), whose offset then moves on.
+at::Generator draw_generator(const at::Generator& gen);
 
 // ---- host views (fallback.cpp) ----
 // A CPU tensor over the same memory as a `neuron` tensor (no copy).

@@ -17,7 +17,9 @@ namespace neuron {
 namespace {
 
 std::atomic<c10::DeviceIndex> g_device_count{1};
-thread_local c10::DeviceIndex t_current_device = 0;
+// The device a thread starts on: 0, or the process's local rank under a launcher (one device per rank).
+std::atomic<c10::DeviceIndex> g_default_device{0};
+thread_local c10::DeviceIndex t_current_device = g_default_device.load();
 
 } // namespace
 
@@ -28,6 +30,12 @@ c10::DeviceIndex device_count() {
 void set_device_count(c10::DeviceIndex count) {
   TORCH_CHECK(count >= 1 && count <= 64, "neuron: the device count must be between 1 and 64, got ", count);
   g_device_count.store(count);
+}
+
+void set_default_device(c10::DeviceIndex index) {
+  check_device_index(index);
+  g_default_device.store(index);
+  t_current_device = index;
 }
 
 void check_device_index(c10::DeviceIndex index) {
@@ -126,46 +134,79 @@ class NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
 C10_REGISTER_GUARD_IMPL(PrivateUse1, NeuronGuardImpl);
 
 // ---- random numbers ----
-// A `neuron` generator owns a CPU generator: CPU kernels draw from it, so seeding the device
-// generator makes device random ops reproducible, independently of the CPU default generator.
+// TorchNeuron's generator state: a seed and a Philox-style offset, 16 bytes (seed in bytes 0-8,
+// offset in 8-16), the format DTensor's random ops rewrite. The reference device draws on the host:
+// each draw seeds a CPU generator from (seed, offset), then advances the offset, so a state
+// restored with set_state replays the same numbers.
+constexpr uint64_t kOffsetPerDraw = 4; // Philox yields 4 numbers per counter step
+
+uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
 class NeuronGeneratorImpl final : public c10::GeneratorImpl {
  public:
   explicit NeuronGeneratorImpl(c10::DeviceIndex index)
       : c10::GeneratorImpl(c10::Device(kNeuron, index), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
-        cpu_(at::make_generator<at::CPUGeneratorImpl>(c10::detail::getNonDeterministicRandom())) {}
+        seed_(c10::default_rng_seed_val) {}
 
   void set_current_seed(uint64_t seed) override {
-    cpu_.set_current_seed(seed);
+    seed_ = seed;
+    offset_ = 0;
   }
   void set_offset(uint64_t offset) override {
-    cpu_.set_offset(offset);
+    offset_ = offset;
   }
   uint64_t get_offset() const override {
-    return cpu_.get_offset();
+    return offset_;
   }
   uint64_t current_seed() const override {
-    return cpu_.current_seed();
+    return seed_;
   }
   uint64_t seed() override {
-    return cpu_.seed();
+    const uint64_t random = c10::detail::getNonDeterministicRandom(true);
+    set_current_seed(random);
+    return random;
   }
   void set_state(const c10::TensorImpl& state) override {
-    cpu_.unsafeGetGeneratorImpl()->set_state(state);
+    const auto size = state.numel();
+    TORCH_CHECK(state.dtype() == at::kByte && (size == 16 || size == 8),
+                "neuron: an RNG state is a uint8 tensor of 16 bytes (seed, offset), got ", size, " elements of ",
+                state.dtype().name());
+    const auto* bytes = static_cast<const uint8_t*>(state.data());
+    std::memcpy(&seed_, bytes, sizeof(seed_));
+    offset_ = 0;
+    if (size == 16) {
+      std::memcpy(&offset_, bytes + sizeof(seed_), sizeof(offset_));
+    }
   }
   c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
-    return cpu_.unsafeGetGeneratorImpl()->get_state();
+    at::Tensor state = at::empty({16}, at::TensorOptions().dtype(at::kByte));
+    auto* bytes = state.data_ptr<uint8_t>();
+    std::memcpy(bytes, &seed_, sizeof(seed_));
+    std::memcpy(bytes + sizeof(seed_), &offset_, sizeof(offset_));
+    return state.getIntrusivePtr();
   }
-  const at::Generator& cpu() const {
-    return cpu_;
+  // A CPU generator for one draw, determined by (seed, offset); the offset moves on.
+  at::Generator draw() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    at::Generator cpu = at::make_generator<at::CPUGeneratorImpl>(splitmix64(seed_ ^ splitmix64(offset_)));
+    offset_ += kOffsetPerDraw;
+    return cpu;
   }
 
  private:
   NeuronGeneratorImpl* clone_impl() const override {
     auto* copy = new NeuronGeneratorImpl(device().index());
-    copy->cpu_ = cpu_.clone();
+    copy->seed_ = seed_;
+    copy->offset_ = offset_;
     return copy;
   }
-  at::Generator cpu_;
+  uint64_t seed_;
+  uint64_t offset_ = 0;
 };
 
 std::mutex g_generators_mutex;
@@ -191,9 +232,9 @@ at::Generator new_generator(c10::DeviceIndex index) {
   return at::make_generator<NeuronGeneratorImpl>(index < 0 ? current_device() : index);
 }
 
-at::Generator cpu_generator_of(const at::Generator& gen) {
+at::Generator draw_generator(const at::Generator& gen) {
   TORCH_CHECK(gen.device().type() == kNeuron, "neuron: expected a neuron generator, got one on ", gen.device());
-  return static_cast<NeuronGeneratorImpl*>(gen.unsafeGetGeneratorImpl())->cpu();
+  return static_cast<NeuronGeneratorImpl*>(gen.unsafeGetGeneratorImpl())->draw();
 }
 
 namespace {

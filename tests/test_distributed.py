@@ -1,0 +1,199 @@
+"""torch.distributed on the `neuron` device: the reference device's `neuron` process group.
+
+The programs run in tests/distributed_programs.py, on 2 and 4 real processes: under `torchrun`, or
+started one process per rank here (so that a rank can fail while the others report). Every check
+there compares the device's result with the same computation done by one process on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from optimum_neuron_torch.device.reference.distributed import BACKEND_NAME
+from optimum_neuron_torch.errors import CollectiveArgumentError
+
+PROGRAMS = Path(__file__).with_name("distributed_programs.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})}
+    env.pop("OPTIMUM_NEURON_TORCH_DEVICE_COUNT", None)  # one device per rank, from the launcher
+    return env
+
+
+def _results(out: Path, world: int) -> list[list[dict]]:
+    return [json.loads((out / f"rank{rank}.json").read_text()) if (out / f"rank{rank}.json").exists() else []
+            for rank in range(world)]
+
+
+def torchrun(out: Path, world: int, *programs: str, timeout: float = 600) -> list[list[dict]]:
+    """Runs the programs under `torchrun --nproc-per-node world`; returns each rank's checks."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+               f"--master-port={_free_port()}", str(PROGRAMS), str(out), *programs]
+    result = subprocess.run(command, capture_output=True, text=True, env=_environment(), timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    return _results(out, world)
+
+
+def one_process_per_rank(out: Path, world: int, *programs: str, env: dict[str, str] | None = None,
+                         timeout: float = 120) -> tuple[list[int], list[list[dict]], list[str]]:
+    """Starts one process per rank with the launcher's variables, as torchrun would, but lets a rank
+    fail without the others being stopped: returns exit codes, checks and stderr of each rank."""
+    port = _free_port()
+    processes = []
+    for rank in range(world):
+        env_rank = _environment({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                                 "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                                 "MASTER_PORT": str(port), **(env or {})})
+        processes.append(subprocess.Popen([sys.executable, str(PROGRAMS), str(out), *programs], env=env_rank,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    codes, errors = [], []
+    for process in processes:
+        try:
+            _, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            _, stderr = process.communicate()
+        codes.append(process.returncode)
+        errors.append(stderr)
+    return codes, _results(out, world), errors
+
+
+def failures(checks: list[list[dict]], program: str | None = None) -> list[str]:
+    return [f"rank {rank}: {check['name']}: {check.get('error')}" for rank, rank_checks in enumerate(checks)
+            for check in rank_checks if not check["ok"] and (program is None or check["program"] == program)]
+
+
+def names(checks: list[list[dict]], program: str) -> set[str]:
+    return {check["name"] for rank_checks in checks for check in rank_checks if check["program"] == program}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[list[dict]]:
+    out = tmp_path_factory.mktemp("two_ranks")
+    return torchrun(out, 2, "device", "collectives", "argument_errors", "dtensor", "ddp", "fsdp", "compiled")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> list[list[dict]]:
+    out = tmp_path_factory.mktemp("four_ranks")
+    return torchrun(out, 4, "device", "collectives", "dtensor")
+
+
+# ---- in this process ----------------------------------------------------------------------------
+
+def test_backend_registered_as_torchneuron_registers_it():
+    assert BACKEND_NAME in dist.Backend.backend_list
+    assert dist.Backend.default_device_backend_map["neuron"] == "neuron"
+    assert dist.Backend.backend_capability["neuron"] == ["neuron"]
+
+
+def test_a_group_of_one_in_process(tmp_path):
+    dist.init_process_group("neuron", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        assert dist.get_backend() == "neuron"
+        tensor = torch.arange(4.0, device="neuron")
+        dist.all_reduce(tensor)
+        assert tensor.cpu().tolist() == [0.0, 1.0, 2.0, 3.0] and tensor.device.type == "neuron"
+        output = torch.zeros(4, device="neuron")
+        dist.all_gather_into_tensor(output, tensor)
+        assert output.cpu().tolist() == [0.0, 1.0, 2.0, 3.0]
+        with pytest.raises(CollectiveArgumentError, match=r"tensors\[0\] is on cpu"):
+            dist.all_reduce(torch.ones(2))
+        assert repr(dist.group.WORLD).startswith("ProcessGroupNeuron(rank=0, size=1")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rng_state_has_torchneuron_format():
+    torch.neuron.manual_seed(77)
+    state = torch.neuron.get_rng_state()
+    assert state.dtype == torch.uint8 and state.numel() == 16
+    assert state[:8].view(torch.int64).item() == 77 and state[8:].view(torch.int64).item() == 0
+    torch.rand(3, device="neuron")
+    assert torch.neuron.get_rng_state()[8:].view(torch.int64).item() > 0  # the offset moved on
+    moved = state.clone()
+    moved[8:] = torch.tensor([400], dtype=torch.int64).view(torch.uint8)
+    torch.neuron.set_rng_state(moved)
+    a = torch.rand(5, device="neuron").cpu()
+    torch.neuron.set_rng_state(moved)
+    assert torch.equal(torch.rand(5, device="neuron").cpu(), a)  # (seed, offset) decides the draw
+    torch.neuron.set_rng_state(state)
+    assert not torch.equal(torch.rand(5, device="neuron").cpu(), a)
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        torch.neuron.set_rng_state(torch.zeros(5056, dtype=torch.uint8))
+
+
+# ---- two and four processes ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("program", ["device", "collectives", "argument_errors", "dtensor", "ddp", "fsdp", "compiled"])
+def test_two_ranks(two_ranks, program):
+    assert len(names(two_ranks, program)) >= 1, f"{program} made no check"
+    assert not failures(two_ranks, program), "\n".join(failures(two_ranks, program))
+
+
+@pytest.mark.parametrize("program", ["device", "collectives", "dtensor"])
+def test_four_ranks(four_ranks, program):
+    assert not failures(four_ranks, program), "\n".join(failures(four_ranks, program))
+
+
+def test_every_collective_checked(two_ranks, four_ranks):
+    expected = {"all_reduce SUM", "all_reduce AVG", "all_reduce PREMUL_SUM", "all_reduce_coalesced",
+                "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "broadcast", "reduce",
+                "reduce_scatter", "reduce_scatter_tensor", "barrier", "all_to_all uneven",
+                "all_to_all_single uneven", "gather", "scatter", "send/recv", "funcol all_reduce",
+                "funcol all_gather_into_tensor_coalesced", "funcol reduce_scatter_tensor_coalesced"}
+    for checks in (two_ranks, four_ranks):
+        made = names(checks, "collectives")
+        missing = {name for name in expected if not any(made_name.startswith(name) for made_name in made)}
+        assert not missing
+
+
+def test_two_dimensional_mesh_ran(four_ranks):
+    assert "2-D mesh full_tensor" in names(four_ranks, "dtensor")
+
+
+# ---- failures -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("program", ["raise", "kill"])
+def test_a_failed_rank_is_named_by_the_others(tmp_path, program):
+    start = time.monotonic()
+    codes, checks, errors = one_process_per_rank(tmp_path, 2, program, env={"NEURON_TEST_PG_TIMEOUT": "60"})
+    assert codes[1] != 0
+    assert time.monotonic() - start < 55, "rank 0 waited for the timeout instead of noticing the exit"
+    (report,) = [check for check in checks[0] if check["name"] == "collective failed"]
+    assert report["ok"], report
+    assert "rank(s) 1 of this group exited" in report["error"] and report["failed_ranks"] == [1]
+    assert "all_reduce failed on rank 0 of 2" in report["error"]
+
+
+def test_a_stuck_rank_fails_the_others_at_the_timeout(tmp_path):
+    codes, checks, _ = one_process_per_rank(tmp_path, 2, "stall", env={"NEURON_TEST_PG_TIMEOUT": "3"}, timeout=90)
+    (report,) = [check for check in checks[0] if check["name"] == "collective failed"]
+    assert report["ok"], report
+    assert report["seconds"] < 30 and report["failed_ranks"] == []
+    assert "no peer process has exited" in report["error"] and "0:00:03" in report["error"]
+
+
+def test_local_rank_beyond_the_device_count_is_refused(tmp_path):
+    from testing_utils import run_python
+
+    result = run_python("import optimum_neuron_torch", env={"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2"})
+    assert result.returncode != 0 and "LOCAL_RANK='3' names no device" in result.stderr
+
