@@ -14,6 +14,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -90,6 +91,16 @@ def program_device() -> None:
           [(1 << 20) if i == LOCAL_RANK else 0 for i in range(WORLD)])
     check("tensor lands on the rank's device", block.device.index, LOCAL_RANK)
     del block
+    from optimum_neuron_torch.commands.env import environment_report, render_text
+
+    report = environment_report()
+    distributed = report["distributed"]
+    check("env reports the job", (distributed["backend"], distributed["rank"], distributed["world_size"],
+                                  distributed["local_rank"], distributed["device"]),
+          ("neuron", RANK, WORLD, LOCAL_RANK, f"neuron:{LOCAL_RANK}"))
+    check("env text names rank and world size",
+          f"rank {RANK} of {WORLD}, local rank {LOCAL_RANK} of {WORLD} on neuron:{LOCAL_RANK}" in render_text(report),
+          True)
 
 
 def program_collectives() -> None:
@@ -423,7 +434,12 @@ def program_compiled() -> None:
     eager = step(x)
     before = cache_stats()
     compiled = torch.compile(step, backend="neuron", fullgraph=True)
-    check("compiled collective equals eager", compiled(x), eager.cpu(), atol=1e-6, rtol=1e-6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = compiled(x)
+    check("compiled collective equals eager", result, eager.cpu(), atol=1e-6, rtol=1e-6)
+    check("the collectives stay in the compiled graph (no split)",
+          [str(w.message)[:200] for w in caught if "graph split" in str(w.message)], [])
     check("compiled collective equals the CPU computation", compiled(x),
           torch.tanh(sum(data(r, (WORLD, 5)) / 10 * 2 for r in range(WORLD))) +
           torch.cat([data(r, (WORLD, 5)) / 10 for r in range(WORLD)]).sum(0), atol=1e-6, rtol=1e-6)

@@ -14,10 +14,19 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..device import backend_info
 from ..fallbacks import get_fallback_policy
-from ..settings import NEFF_CACHE_DEFAULT, NEFF_CACHE_ENV, cache_dir, compile_cache_dir, neff_cache_dir
+from ..settings import (
+    LOCAL_RANK_ENV,
+    LOCAL_WORLD_SIZE_ENV,
+    NEFF_CACHE_DEFAULT,
+    NEFF_CACHE_ENV,
+    cache_dir,
+    compile_cache_dir,
+    neff_cache_dir,
+)
 
 PACKAGES = ("optimum-neuron-torch", "torch", "transformers", "optimum", "huggingface_hub", "torch-mlir")
 VARIABLE_PREFIXES = ("OPTIMUM_NEURON_TORCH_", "TORCH_NEURONX_", "NEURON_")
@@ -87,6 +96,27 @@ def _devices() -> list[dict[str, Any]]:
     return devices
 
 
+def _distributed(backend: str) -> dict[str, Any]:
+    """The `neuron` process-group backend, and this process's place in a launched job (torchrun's
+    variables, or the initialized process group's rank and size)."""
+    registered = dist.is_available() and "neuron" in dist.Backend.backend_list
+    report: dict[str, Any] = {
+        "backend": "neuron" if registered else None,
+        "transport": ("TorchNeuron's collectives" if backend == "torchneuron" else "gloo over host views")
+        if registered else None,
+        "default_for_neuron_devices": dist.Backend.default_device_backend_map.get("neuron") if registered else None,
+    }
+    if dist.is_available() and dist.is_initialized():
+        report["rank"], report["world_size"] = dist.get_rank(), dist.get_world_size()
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        report["rank"], report["world_size"] = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if LOCAL_RANK_ENV in os.environ:
+        report["local_rank"] = int(os.environ[LOCAL_RANK_ENV])
+        report["local_world_size"] = int(os.environ.get(LOCAL_WORLD_SIZE_ENV, "1"))
+        report["device"] = f"neuron:{torch.neuron.current_device()}"
+    return report
+
+
 def environment_report() -> dict[str, Any]:
     """The report, as plain data (what `--format json` prints)."""
     info = backend_info()
@@ -109,6 +139,7 @@ def environment_report() -> dict[str, Any]:
         "devices": _devices(),
         "profile": info.profile,
         "fallback_policy": get_fallback_policy(),
+        "distributed": _distributed(info.name),
         "caches": caches,
         "environment_variables": user_variables,
         **extra,
@@ -122,6 +153,7 @@ def render_text(report: dict[str, Any]) -> str:
     lines += [f"platform: {report['platform']}", f"cpu: {report['cpu']}", f"devices: {len(report['devices'])}"]
     lines += [f"  {device['name']}: {_memory(device['memory_bytes'])}" for device in report["devices"]]
     lines += [f"support profile: {report['profile']}", f"fallback policy: {report['fallback_policy']}"]
+    lines.append(_render_distributed(report["distributed"]))
     lines += [f"{name.replace('_', ' ')} cache: {path}" for name, path in report["caches"].items()]
     sections = [("environment variables", report["environment_variables"], "none set")]
     if "torchneuron_defaults" in report:
@@ -131,6 +163,18 @@ def render_text(report: dict[str, Any]) -> str:
         lines.append(f"{title}:" if variables else f"{title}: {empty}")
         lines += [f"  {name}={value}" for name, value in variables.items()]
     return "\n".join(lines)
+
+
+def _render_distributed(distributed: dict[str, Any]) -> str:
+    if distributed["backend"] is None:
+        return "distributed backend: none (torch.distributed unavailable)"
+    line = f"distributed backend: {distributed['backend']} ({distributed['transport']})"
+    if "rank" in distributed:
+        line += f", rank {distributed['rank']} of {distributed['world_size']}"
+    if "local_rank" in distributed:
+        line += (f", local rank {distributed['local_rank']} of {distributed['local_world_size']} "
+                 f"on {distributed['device']}")
+    return line if "rank" in distributed else line + ", not in a launched job"
 
 
 def _memory(memory_bytes: int | str) -> str:

@@ -108,7 +108,11 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
 
 def _lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Path, strict: bool) -> str:
     """Writes the graph's StableHLO next to it; returns "ok", or the error (with a warning, or
-    raised as `LoweringError` when `strict`)."""
+    raised as `LoweringError` when `strict`). A graph that calls collectives is not checked: they
+    have no Torch-MLIR lowering, and TorchNeuron lowers them itself."""
+    called = stablehlo.collectives(gm)
+    if called:
+        return f"not checked: the graph calls collectives ({', '.join(called)}), which TorchNeuron lowers itself"
     try:
         (folder / STABLEHLO_FILE).write_text(stablehlo.lower(gm, example_inputs))
         return "ok"

@@ -166,6 +166,8 @@ def _lowering_reason(node: torch.fx.Node) -> str | None:
             return f"{tuple(value.shape)}:{value.dtype}:{value.device}"
         return type(value).__name__
 
+    if stablehlo.is_collective(node):
+        return None  # TorchNeuron lowers collectives itself, not through Torch-MLIR
     signature = f"{node.op} {_op_name(node)} {torch.fx.map_arg((node.args, node.kwargs), describe)!r}"
     if signature not in _lowering_verdicts:
         alone = _alone(node)

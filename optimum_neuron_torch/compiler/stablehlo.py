@@ -15,6 +15,30 @@ import torch
 from ..errors import LoweringError
 
 aten = torch.ops.aten
+# The namespaces of the functional collectives (what `torch.distributed._functional_collectives`,
+# DTensor and FSDP put in graphs). Torch-MLIR has no lowering for them; TorchNeuron lowers them
+# itself, to its own collective instructions.
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
+
+
+def _op_name(target: Any) -> str | None:
+    """`namespace::op` of an ATen-style op (an overload or its packet), else None."""
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}::{target._opname}"
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    return None
+
+
+def is_collective(node: torch.fx.Node) -> bool:
+    """Whether `node` calls a functional collective."""
+    name = _op_name(node.target) if node.op == "call_function" else None
+    return name is not None and name.partition("::")[0] in COLLECTIVE_NAMESPACES
+
+
+def collectives(gm: torch.fx.GraphModule) -> list[str]:
+    """The functional collectives `gm` calls, each once (`_c10d_functional::all_reduce`, ...)."""
+    return sorted({_op_name(node.target) for node in gm.graph.nodes if is_collective(node)})
 
 
 def available() -> bool:

@@ -213,25 +213,29 @@ class ProcessGroupNeuron(ProcessGroup):
         return f"ProcessGroupNeuron(rank={self.rank()}, size={self.size()}, reference device over gloo)"
 
     # ---- checks and failures ----
-    def _views(self, op: str, name: str, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-        """Host views of `tensors`, after checking they are `neuron` tensors of one device."""
-        tensors = list(tensors)
-        devices = {tensor.device for tensor in tensors if isinstance(tensor, torch.Tensor)}
+    def _views(self, op: str, name: str, tensors: Iterable[torch.Tensor], device: torch.device | None = None
+               ) -> list[torch.Tensor]:
+        """Host views of `tensors`, after checking they are `neuron` tensors of one device (`device`
+        when given: the op's other tensors'). The common case costs a few attribute reads per tensor."""
+        views = []
         for index, tensor in enumerate(tensors):
             if not isinstance(tensor, torch.Tensor):
                 raise CollectiveArgumentError(f"{op}: {name}[{index}] is a {type(tensor).__name__}, not a tensor.")
-            if tensor.device.type != BACKEND_NAME:
-                raise CollectiveArgumentError(
-                    f"{op}: {name}[{index}] is on {tensor.device}, but the `neuron` process group takes neuron "
-                    f"tensors only (rank {self.rank()} uses {_rank_device()}). Move it with "
-                    f"`.to('neuron')`, or create a gloo group for CPU tensors: dist.new_group(backend='gloo')."
-                )
-        if len(devices) > 1:
-            raise CollectiveArgumentError(
-                f"{op}: the tensors of rank {self.rank()} are on several devices "
-                f"({', '.join(sorted(map(str, devices)))}); one process drives one neuron device."
-            )
-        return [_host_view(tensor) for tensor in tensors]
+            if tensor.device != device:
+                if tensor.device.type != BACKEND_NAME:
+                    raise CollectiveArgumentError(
+                        f"{op}: {name}[{index}] is on {tensor.device}, but the `neuron` process group takes neuron "
+                        f"tensors only (rank {self.rank()} uses {_rank_device()}). Move it with `.to('neuron')`, "
+                        "or create a gloo group for CPU tensors: dist.new_group(backend='gloo')."
+                    )
+                if device is not None:
+                    raise CollectiveArgumentError(
+                        f"{op}: the tensors of rank {self.rank()} are on several devices ({device} and "
+                        f"{tensor.device}, {name}[{index}]); one process drives one neuron device."
+                    )
+                device = tensor.device
+            views.append(_host_view(tensor))
+        return views
 
     def _flat_views(self, op: str, output: torch.Tensor, input: torch.Tensor) -> list[torch.Tensor]:
         """One-dimensional host views of a collective's output and input: gloo splits the flat
@@ -305,34 +309,35 @@ class ProcessGroupNeuron(ProcessGroup):
         return _NeuronWork(inner, self, op, outputs, views, after)
 
     # ---- reductions ----
-    def _reduce_op(self, opts: Any, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """PREMUL_SUM, which gloo lacks, as TorchNeuron does it: scale the inputs, then SUM."""
-        if opts.reduceOp == ReduceOp.PREMUL_SUM:
-            factor = opts.reduceOp.__getstate__()[1]
-            for tensor in tensors:
-                tensor.mul_(factor)
-            opts.reduceOp = ReduceOp.SUM
-        return tensors
+    @staticmethod
+    def _premul_factor(opts: Any) -> float | None:
+        """PREMUL_SUM, which gloo lacks, is done as TorchNeuron does it: the inputs scaled by the
+        factor, then a SUM. Returns the factor (None for other ops) and makes `opts` a SUM."""
+        if opts.reduceOp != ReduceOp.PREMUL_SUM:
+            return None
+        factor = opts.reduceOp.__getstate__()[1]
+        opts.reduceOp = ReduceOp.SUM
+        return factor
 
     def allreduce(self, tensors: list[torch.Tensor] | torch.Tensor, opts: AllreduceOptions | None = None) -> Work:
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         opts = opts or AllreduceOptions()
         views = self._views("all_reduce", "tensors", tensors)
-        self._reduce_op(opts, views)
+        _scale_in_place(views, self._premul_factor(opts))
         return self._run("all_reduce", lambda: self._gloo.allreduce(views, opts), tensors, views)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: AllreduceCoalescedOptions | None = None
                             ) -> Work:
         opts = opts or AllreduceCoalescedOptions()
         views = self._views("all_reduce_coalesced", "tensors", tensors)
-        self._reduce_op(opts, views)
+        _scale_in_place(views, self._premul_factor(opts))
         return self._run("all_reduce_coalesced", lambda: self._gloo.allreduce_coalesced(views, opts), tensors, views)
 
     def reduce(self, tensors: list[torch.Tensor], opts: ReduceOptions | None = None) -> Work:
         opts = opts or ReduceOptions()
         self._check_root("reduce", opts.rootRank)
         views = self._views("reduce", "tensors", tensors)
-        self._reduce_op(opts, views)
+        _scale_in_place(views, self._premul_factor(opts))
         return self._run("reduce", lambda: self._gloo.reduce(views, opts), tensors, views)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: BroadcastOptions | None = None) -> Work:
@@ -350,7 +355,7 @@ class ProcessGroupNeuron(ProcessGroup):
         for outputs, tensor in zip(output_lists, inputs, strict=True):
             self._check_list("all_gather", "output list", outputs)
             self._check_shapes("all_gather", tensor.shape, ((f"output[{i}]", out) for i, out in enumerate(outputs)))
-            out_views.append(self._views("all_gather", "output", outputs))
+            out_views.append(self._views("all_gather", "output", outputs, tensor.device))
         flat = [tensor for outputs in output_lists for tensor in outputs]
         return self._run("all_gather", lambda: self._gloo.allgather(out_views, in_views, opts), flat,
                          (in_views, out_views))
@@ -370,7 +375,8 @@ class ProcessGroupNeuron(ProcessGroup):
                             opts: AllgatherOptions | None = None) -> Work:
         opts = opts or AllgatherOptions()
         in_views = self._views("all_gather_coalesced", "input", inputs)
-        out_views = [self._views("all_gather_coalesced", "output", outputs) for outputs in output_lists]
+        device = inputs[0].device if inputs else None
+        out_views = [self._views("all_gather_coalesced", "output", outputs, device) for outputs in output_lists]
         flat = [tensor for outputs in output_lists for tensor in outputs]
         return self._run("all_gather_coalesced", lambda: self._gloo.allgather_coalesced(out_views, in_views, opts),
                          flat, (in_views, out_views))
@@ -386,12 +392,12 @@ class ProcessGroupNeuron(ProcessGroup):
                        opts: ReduceScatterOptions | None = None) -> Work:
         opts = opts or ReduceScatterOptions()
         out_views = self._views("reduce_scatter", "output", outputs)
+        factor = self._premul_factor(opts)
         in_views = []
         for output, inputs in zip(outputs, input_lists, strict=True):
             self._check_list("reduce_scatter", "input list", inputs)
             self._check_shapes("reduce_scatter", output.shape, ((f"input[{i}]", t) for i, t in enumerate(inputs)))
-            in_views.append(self._reduce_op_copy(opts, self._views("reduce_scatter", "input", inputs)))
-        self._reduce_op(opts, [])
+            in_views.append(_scaled(self._views("reduce_scatter", "input", inputs, output.device), factor))
         return self._run("reduce_scatter", lambda: self._gloo.reduce_scatter(out_views, in_views, opts), outputs,
                          (out_views, in_views))
 
@@ -401,19 +407,11 @@ class ProcessGroupNeuron(ProcessGroup):
         self._check_numel("reduce_scatter_tensor", "input", input, output.numel() * self.size(),
                           f"the output's {output.numel()} times {self.size()} ranks")
         out_view, in_view = self._flat_views("reduce_scatter_tensor", output, input)
-        (in_view,) = self._reduce_op_copy(opts, [in_view])
-        self._reduce_op(opts, [])
+        (in_view,) = _scaled([in_view], self._premul_factor(opts))
         return self._run("reduce_scatter_tensor", lambda: self._gloo._reduce_scatter_base(out_view, in_view, opts),
                          [output], (out_view, in_view))
 
     reduce_scatter_single = _reduce_scatter_base
-
-    def _reduce_op_copy(self, opts: Any, views: list[torch.Tensor]) -> list[torch.Tensor]:
-        """PREMUL_SUM scales the inputs of a reduce-scatter, which are not its outputs: scale copies."""
-        if opts.reduceOp == ReduceOp.PREMUL_SUM:
-            factor = opts.reduceOp.__getstate__()[1]
-            return [view * factor for view in views]
-        return views
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: ReduceScatterOptions | None = None) -> Work:
@@ -464,7 +462,7 @@ class ProcessGroupNeuron(ProcessGroup):
         self._check_list("all_to_all", "output list", outputs)
         self._check_list("all_to_all", "input list", inputs)
         self._views("all_to_all", "output", outputs)
-        in_views = self._views("all_to_all", "input", inputs)
+        in_views = self._views("all_to_all", "input", inputs, outputs[0].device)
         dtypes = {tensor.dtype for tensor in (*outputs, *inputs)}
         if len(dtypes) > 1:
             raise CollectiveArgumentError(f"all_to_all: tensors of several dtypes on rank {self.rank()}: "
@@ -490,7 +488,7 @@ class ProcessGroupNeuron(ProcessGroup):
         for outputs in output_lists:
             if outputs:
                 self._check_list("gather", "gather_list", outputs)
-            out_views.append(self._views("gather", "gather_list", outputs))
+            out_views.append(self._views("gather", "gather_list", outputs, inputs[0].device if inputs else None))
         flat = [tensor for outputs in output_lists for tensor in outputs]
         return self._run("gather", lambda: self._gloo.gather(out_views, in_views, opts), flat, (in_views, out_views))
 
@@ -503,7 +501,7 @@ class ProcessGroupNeuron(ProcessGroup):
         for inputs in input_lists:
             if inputs:
                 self._check_list("scatter", "scatter_list", inputs)
-            in_views.append(self._views("scatter", "scatter_list", inputs))
+            in_views.append(self._views("scatter", "scatter_list", inputs, outputs[0].device if outputs else None))
         return self._run("scatter", lambda: self._gloo.scatter(out_views, in_views, opts), outputs,
                          (out_views, in_views))
 
@@ -523,6 +521,18 @@ class ProcessGroupNeuron(ProcessGroup):
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
         views = self._views("recv", "tensors", tensors)
         return self._run("recv from any rank", lambda: self._gloo.recv_anysource(views, tag), tensors, views)
+
+
+def _scale_in_place(views: list[torch.Tensor], factor: float | None) -> None:
+    """Scales the inputs of an op whose inputs are its outputs (all_reduce, reduce)."""
+    if factor is not None:
+        for view in views:
+            view.mul_(factor)
+
+
+def _scaled(views: list[torch.Tensor], factor: float | None) -> list[torch.Tensor]:
+    """Scaled copies of the inputs of an op whose inputs are not its outputs (reduce_scatter)."""
+    return views if factor is None else [view * factor for view in views]
 
 
 def _copy_options(opts: Any) -> Any:
