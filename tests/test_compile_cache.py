@@ -54,9 +54,23 @@ def saved_llama(tmp_path_factory) -> Path:
     return TINY_MODELS["llama"].save(tmp_path_factory.mktemp("models") / "llama")
 
 
-def test_a_second_process_loads_instead_of_compiling(saved_llama, tmp_path):
-    cold = result(generate_in_subprocess(saved_llama, tmp_path / "cache"))
-    warm = result(generate_in_subprocess(saved_llama, tmp_path / "cache"))
+@pytest.fixture(scope="module")
+def filled_cache(saved_llama, tmp_path_factory) -> tuple[Path, dict]:
+    """A compile cache filled by one process generating with the tiny Llama from an empty cache, and
+    what that process reported. Tests that only need the graphs compiled copy it (`copy_of`)
+    instead of compiling them again."""
+    cache = tmp_path_factory.mktemp("filled") / "cache"
+    return cache, result(generate_in_subprocess(saved_llama, cache))
+
+
+def copy_of(cache: Path, destination: Path) -> Path:
+    shutil.copytree(cache, destination)
+    return destination
+
+
+def test_a_second_process_loads_instead_of_compiling(saved_llama, filled_cache, tmp_path):
+    cache, cold = filled_cache
+    warm = result(generate_in_subprocess(saved_llama, copy_of(cache, tmp_path / "cache")))
     assert cold["misses"] == 2 and cold["hits"] == 0  # prefill bucket and decode step
     assert warm["misses"] == 0 and warm["hits"] == 2
     assert warm["tokens"] == cold["tokens"]
@@ -103,16 +117,16 @@ def test_concurrent_builders_in_one_process_build_once(tmp_path):
     assert len(built) == 1 and sum(was_built for _, was_built in results) == 1
 
 
-def test_a_model_saved_precompiled_arrives_precompiled(saved_llama, tmp_path):
-    """precompile() then save_pretrained(); a new process with an empty compile cache loads the
-    saved graphs and compiles nothing."""
+def test_a_model_saved_precompiled_arrives_precompiled(saved_llama, filled_cache, tmp_path):
+    """precompile() then save_pretrained() (the graphs come from the first process's cache); a new
+    process with an empty compile cache loads the saved graphs and compiles nothing."""
     code = f"""
         from optimum_neuron_torch import NeuronAutoModelForCausalLM
         model = NeuronAutoModelForCausalLM.from_pretrained({str(saved_llama)!r})
         model.precompile(batch_sizes=(1,), prompt_buckets=(16,), max_length=64, show_progress=False)
         model.save_pretrained({str(tmp_path / "precompiled")!r})
     """
-    done = run_python(code, env={CACHE_ENV: str(tmp_path / "first")})
+    done = run_python(code, env={CACHE_ENV: str(copy_of(filled_cache[0], tmp_path / "first"))})
     assert done.returncode == 0, done.stderr[-3000:]
     spec = json.loads((tmp_path / "precompiled" / "neuron_generation.json").read_text())
     assert spec["buckets"] == {"batch_sizes": [1], "prompt_buckets": [16], "max_length": 64}
@@ -149,8 +163,8 @@ def test_graphs_saved_in_another_environment_are_recompiled_with_a_message(saved
     assert model.neuron_generation.buckets.prompt_buckets == (16,)
 
 
-def test_cli_lists_reports_and_clears_the_cache(saved_llama, tmp_path):
-    result(generate_in_subprocess(saved_llama, tmp_path / "cache"))
+def test_cli_lists_reports_and_clears_the_cache(filled_cache, tmp_path):
+    copy_of(filled_cache[0], tmp_path / "cache")
 
     def cli(*args: str) -> str:
         done = optimum_cli("cache", *args, env={CACHE_ENV: str(tmp_path / "cache")})
