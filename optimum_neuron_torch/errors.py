@@ -35,6 +35,12 @@ import torch
 import torch.distributed
 
 
+def first_line(error: BaseException | str) -> str:
+    """The first line of an error's message (empty when it has none), for messages that quote another."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else ""
+
+
 class NeuronTorchError(Exception):
     """Base class of every error this library raises on purpose."""
 

@@ -172,7 +172,7 @@ def reference_device_settings() -> ReferenceDeviceSettings:
         ConfigurationError: a variable with a value the device cannot use (named in the message).
     """
     memory_text = os.environ.get(DEVICE_MEMORY_ENV)
-    device_count = _count(DEVICE_COUNT_ENV, None) or _count(LOCAL_WORLD_SIZE_ENV, None) or 1
+    device_count = _count(DEVICE_COUNT_ENV) or _count(LOCAL_WORLD_SIZE_ENV) or 1
     default_device = 0
     if os.environ.get(LOCAL_RANK_ENV, "").strip():
         rank_text = os.environ[LOCAL_RANK_ENV]
@@ -192,11 +192,11 @@ def reference_device_settings() -> ReferenceDeviceSettings:
     )
 
 
-def _count(name: str, default: int | None) -> int | None:
-    """A device count from the environment variable `name`: 1 to MAX_DEVICE_COUNT (`default` when unset)."""
+def _count(name: str) -> int | None:
+    """A device count from the environment variable `name`: 1 to MAX_DEVICE_COUNT (None when unset)."""
     text = os.environ.get(name, "").strip()
     if not text:
-        return default
+        return None
     if not text.isdigit() or not 1 <= int(text) <= MAX_DEVICE_COUNT:
         raise ConfigurationError(f"{name}={text!r} must be a whole number from 1 to {MAX_DEVICE_COUNT}.")
     return int(text)

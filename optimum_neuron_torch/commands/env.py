@@ -99,14 +99,14 @@ def _devices() -> list[dict[str, Any]]:
 def _distributed(backend: str) -> dict[str, Any]:
     """The `neuron` process-group backend, and this process's place in a launched job (torchrun's
     variables, or the initialized process group's rank and size)."""
-    registered = dist.is_available() and "neuron" in dist.Backend.backend_list
+    if not (dist.is_available() and "neuron" in dist.Backend.backend_list):
+        return {"backend": None, "transport": None, "default_for_neuron_devices": None}
     report: dict[str, Any] = {
-        "backend": "neuron" if registered else None,
-        "transport": ("TorchNeuron's collectives" if backend == "torchneuron" else "gloo over host views")
-        if registered else None,
-        "default_for_neuron_devices": dist.Backend.default_device_backend_map.get("neuron") if registered else None,
+        "backend": "neuron",
+        "transport": "TorchNeuron's collectives" if backend == "torchneuron" else "gloo over host views",
+        "default_for_neuron_devices": dist.Backend.default_device_backend_map.get("neuron"),
     }
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_initialized():
         report["rank"], report["world_size"] = dist.get_rank(), dist.get_world_size()
     elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         report["rank"], report["world_size"] = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

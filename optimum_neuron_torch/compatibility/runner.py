@@ -21,7 +21,7 @@ from .. import modeling
 from ..compiler import CompileCache, recording_partitions, stablehlo
 from ..compiler.dynamo_backend import recording_cache_keys
 from ..device import backend_info, clear_op_tracking, fallback_stats, support_profile
-from ..errors import ArgumentTypeError
+from ..errors import ArgumentTypeError, first_line
 from ..fallbacks import fallback_policy
 from ..loading import resolve_checkpoint
 from ..module_stack import ModuleStack, observing_modules
@@ -126,7 +126,7 @@ def _eager_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityRepo
             with torch.no_grad():
                 model(*inputs[0], **inputs[1])
         except Exception as exc:  # the report names the failure
-            error = f"{type(exc).__name__}: {_first_line(exc)}"
+            error = f"{type(exc).__name__}: {first_line(exc)}"
     by_op: dict[str, dict[str, int]] = defaultdict(dict)
     for (op, module), calls in counts.items():
         by_op[op][module] = calls
@@ -135,11 +135,6 @@ def _eager_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityRepo
         OpFallback(op, stats[op].calls if op in stats else None, modules) for op, modules in sorted(by_op.items())
     ]
     report.dtypes, report.dynamic_shapes, report.eager_error = recorder.dtypes(), recorder.dynamic_shapes(), error
-
-
-def _first_line(error: BaseException | str) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def _location(stack: list | None) -> str:
@@ -158,7 +153,7 @@ def _compiled_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityR
         explanation = torch._dynamo.explain(model)(*inputs[0], **inputs[1])
     report.graph_count = explanation.graph_count
     breaks = Counter(
-        (_first_line(reason.reason), _location(reason.user_stack)) for reason in explanation.break_reasons
+        (first_line(reason.reason), _location(reason.user_stack)) for reason in explanation.break_reasons
     )
     report.graph_breaks = [GraphBreak(reason, location, count) for (reason, location), count in breaks.items()]
     torch._dynamo.reset()
@@ -167,7 +162,7 @@ def _compiled_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityR
             torch.compile(model, backend="neuron", fullgraph=not report.graph_breaks)(*inputs[0], **inputs[1])
         except Exception as error:  # the report names the failure (the backend's own, not Dynamo's wrapper)
             error = getattr(error, "inner_exception", None) or error
-            report.compile_error = f"{type(error).__name__}: {_first_line(error)}"
+            report.compile_error = f"{type(error).__name__}: {first_line(error)}"
     torch._dynamo.reset()
     for partition in partitions:
         report.unlowered_ops += [UnloweredOp(node.op, node.reason) for node in partition.fallback_nodes]

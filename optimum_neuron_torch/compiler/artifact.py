@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..device import backend_info
-from ..errors import LoweringError
+from ..errors import LoweringError, first_line
 from ..host import compiler_version
 from ..version import __version__
 from . import stablehlo
@@ -117,7 +117,7 @@ def _lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list[Any], fol
         (folder / STABLEHLO_FILE).write_text(stablehlo.lower(gm, example_inputs))
         return "ok"
     except Exception as error:  # any failure of the check is its result, never a failed compile
-        message = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        message = f"{type(error).__name__}: {first_line(error)}"
         if strict:
             raise LoweringError(message) from error
         warnings.warn(f"This graph does not lower to StableHLO, so TorchNeuron could not compile it ({message}). "

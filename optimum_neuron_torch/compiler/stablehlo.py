@@ -21,7 +21,7 @@ aten = torch.ops.aten
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")
 
 
-def _op_name(target: Any) -> str | None:
+def _namespaced_name(target: Any) -> str | None:
     """`namespace::op` of an ATen-style op (an overload or its packet), else None."""
     if isinstance(target, torch._ops.OpOverload):
         return f"{target.namespace}::{target._opname}"
@@ -32,13 +32,13 @@ def _op_name(target: Any) -> str | None:
 
 def is_collective(node: torch.fx.Node) -> bool:
     """Whether `node` calls a functional collective."""
-    name = _op_name(node.target) if node.op == "call_function" else None
+    name = _namespaced_name(node.target) if node.op == "call_function" else None
     return name is not None and name.partition("::")[0] in COLLECTIVE_NAMESPACES
 
 
 def collectives(gm: torch.fx.GraphModule) -> list[str]:
     """The functional collectives `gm` calls, each once (`_c10d_functional::all_reduce`, ...)."""
-    return sorted({_op_name(node.target) for node in gm.graph.nodes if is_collective(node)})
+    return sorted({_namespaced_name(node.target) for node in gm.graph.nodes if is_collective(node)})
 
 
 def available() -> bool:

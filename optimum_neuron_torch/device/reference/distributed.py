@@ -41,7 +41,7 @@ from torch._C._distributed_c10d import (
     Work,
 )
 
-from ...errors import CollectiveArgumentError, CollectiveError
+from ...errors import CollectiveArgumentError, CollectiveError, first_line
 
 BACKEND_NAME = "neuron"
 # How long a rank that saw a collective fail waits for a failed peer's process to be gone.
@@ -293,7 +293,7 @@ class ProcessGroupNeuron(ProcessGroup):
                     f"{self._timeout} (init_process_group(timeout=...))")
         return CollectiveError(
             f"neuron process group: {op} failed on rank {me} of {self.size()}: {who}; {hint}. gloo said: "
-            f"{str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}",
+            f"{first_line(error) or type(error).__name__}",
             rank=me, failed_ranks=exited,
         )
 
@@ -304,8 +304,8 @@ class ProcessGroupNeuron(ProcessGroup):
         try:
             inner = start()
         except RuntimeError as error:  # gloo checks its arguments before it sends anything
-            message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise CollectiveArgumentError(f"{op} on rank {self.rank()}: {message}") from error
+            raise CollectiveArgumentError(
+                f"{op} on rank {self.rank()}: {first_line(error) or type(error).__name__}") from error
         return _NeuronWork(inner, self, op, outputs, views, after)
 
     # ---- reductions ----
