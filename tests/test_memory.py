@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -9,8 +11,15 @@ from optimum_neuron_torch.device import mem_get_info
 from testing_utils import run_python
 
 
+def collected_allocated() -> int:
+    """Device memory in use once unreachable tensors of earlier tests are freed: a garbage collection
+    triggered half-way through a test would otherwise free them under its measurements."""
+    gc.collect()
+    return torch.neuron.memory_allocated()
+
+
 def test_allocating_and_freeing_in_a_loop_returns_memory_exactly():
-    start = torch.neuron.memory_allocated()
+    start = collected_allocated()
     for size in (1, 7, 1000, 4096, 123457):
         tensors = [torch.empty(size, device="neuron") for _ in range(3)]
         assert torch.neuron.memory_allocated() == start + 3 * 4 * size
@@ -21,8 +30,8 @@ def test_allocating_and_freeing_in_a_loop_returns_memory_exactly():
 
 
 def test_peak_statistics_and_reset():
+    start = collected_allocated()
     torch.neuron.reset_peak_memory_stats()
-    start = torch.neuron.memory_allocated()
     big = torch.empty(1 << 20, dtype=torch.uint8, device="neuron")
     del big
     assert torch.neuron.max_memory_allocated() >= start + (1 << 20)
