@@ -25,8 +25,9 @@ from the C++ dispatcher, which cannot raise a Python subclass).
     ├── UnsupportedGraphError (RuntimeError)        a graph TorchNeuron's compiler cannot take
     ├── LoweringError (RuntimeError)                a graph that does not lower to StableHLO
     ├── CollectiveArgumentError (ValueError)        a collective given tensors it cannot take (names them)
-    └── CollectiveError (torch.distributed.DistBackendError)
-                                                    a collective that failed: a peer exited or timed out
+    ├── CollectiveError (torch.distributed.DistBackendError)
+    │                                               a collective that failed: a peer exited or timed out
+    └── RankFailedError (RuntimeError)              another rank of the job failed a step all ranks take
 """
 
 from __future__ import annotations
@@ -123,3 +124,8 @@ class CollectiveError(NeuronTorchError, torch.distributed.DistBackendError):
         super().__init__(message)
         self.rank = rank
         self.failed_ranks = failed_ranks
+
+
+class RankFailedError(NeuronTorchError, RuntimeError):
+    """Another rank of the job failed a step every rank takes together (e.g. loading its pieces of
+    a tensor-parallel model); the message names the rank and its error."""

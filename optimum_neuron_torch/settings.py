@@ -7,6 +7,7 @@ defaults and parsers, and where it keeps its caches.
 | `OPTIMUM_NEURON_TORCH_FALLBACK` | `warn` | `warn`, `error` or `silent`: what an op without a native kernel does |
 | `OPTIMUM_NEURON_TORCH_CACHE` | `$XDG_CACHE_HOME/optimum-neuron-torch` | root of the library's caches |
 | `OPTIMUM_NEURON_TORCH_COMPILE_CACHE` | `<cache root>/compiled` | the compile cache |
+| `OPTIMUM_NEURON_TORCH_DISTRIBUTED_TIMEOUT` | `1800` | seconds a rank waits for the others in a process group the library starts |
 | `OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT` | `0` | refuse graphs TorchNeuron cannot take instead of splitting them |
 | `OPTIMUM_NEURON_TORCH_PROFILE` | `torchneuron` | reference device: its support profile (`torchneuron`, `full` or an op list) |
 | `OPTIMUM_NEURON_TORCH_DEVICE_MEMORY` | 24 GiB, capped by the host | reference device: memory per device |
@@ -43,12 +44,15 @@ NEFF_CACHE_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"
 NEFF_CACHE_DEFAULT = "/tmp/neff_cache"  # TorchNeuron's default
 CXX_ENV = "CXX"  # the C++ compiler (as for PyTorch's extension builder)
 # Set by torchrun (and other launchers) in each process: one neuron device per local rank.
+DISTRIBUTED_TIMEOUT_ENV = "OPTIMUM_NEURON_TORCH_DISTRIBUTED_TIMEOUT"
 LOCAL_RANK_ENV = "LOCAL_RANK"
 LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
+WORLD_SIZE_ENV = "WORLD_SIZE"
 
 BACKENDS = ("auto", "torchneuron", "reference")
 FALLBACK_MODES = ("warn", "error", "silent")
 PROFILES = ("torchneuron", "full")  # or the path of an op list
+DEFAULT_DISTRIBUTED_TIMEOUT = 1800.0
 MAX_DEVICE_COUNT = 64  # a trn2.48xlarge: 16 chips of 4 logical NeuronCores
 # One Trn2 logical NeuronCore (LNC=2) has 24 GiB of HBM.
 TRN2_LOGICAL_CORE_MEMORY = 24 * 1024**3
@@ -139,6 +143,22 @@ def neff_cache_dir() -> Path:
 def cxx_compiler() -> str:
     """The C++ compiler that builds the reference device: `$CXX`, else `c++`."""
     return os.environ.get(CXX_ENV) or "c++"
+
+
+def distributed_timeout() -> float:
+    """Seconds a collective of a process group the library starts waits for the other ranks before
+    it fails (`OPTIMUM_NEURON_TORCH_DISTRIBUTED_TIMEOUT`, default 30 minutes: ranks of a large model
+    finish loading minutes apart)."""
+    text = os.environ.get(DISTRIBUTED_TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_DISTRIBUTED_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ConfigurationError(f"{DISTRIBUTED_TIMEOUT_ENV}={text!r} must be a positive number of seconds.")
+    return seconds
 
 
 def graph_split_disabled() -> bool:

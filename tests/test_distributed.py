@@ -7,11 +7,6 @@ there compares the device's result with the same computation done by one process
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,67 +16,20 @@ import torch.distributed as dist
 
 from optimum_neuron_torch.device.reference.distributed import BACKEND_NAME
 from optimum_neuron_torch.errors import CollectiveArgumentError
+from testing_utils import failures, launch, names, rank_checks, start_ranks
 
 PROGRAMS = Path(__file__).with_name("distributed_programs.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _environment(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})}
-    env.pop("OPTIMUM_NEURON_TORCH_DEVICE_COUNT", None)  # one device per rank, from the launcher
-    return env
-
-
-def _results(out: Path, world: int) -> list[list[dict]]:
-    return [json.loads((out / f"rank{rank}.json").read_text()) if (out / f"rank{rank}.json").exists() else []
-            for rank in range(world)]
-
-
 def torchrun(out: Path, world: int, *programs: str, timeout: float = 600) -> list[list[dict]]:
     """Runs the programs under `torchrun --nproc-per-node world`; returns each rank's checks."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
-               f"--master-port={_free_port()}", str(PROGRAMS), str(out), *programs]
-    result = subprocess.run(command, capture_output=True, text=True, env=_environment(), timeout=timeout)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    return _results(out, world)
+    launch(world, str(PROGRAMS), str(out), *programs, timeout=timeout)
+    return rank_checks(out, world)
 
 
 def one_process_per_rank(out: Path, world: int, *programs: str, env: dict[str, str] | None = None,
                          timeout: float = 120) -> tuple[list[int], list[list[dict]], list[str]]:
-    """Starts one process per rank with the launcher's variables, as torchrun would, but lets a rank
-    fail without the others being stopped: returns exit codes, checks and stderr of each rank."""
-    port = _free_port()
-    processes = []
-    for rank in range(world):
-        env_rank = _environment({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                                 "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                                 "MASTER_PORT": str(port), **(env or {})})
-        processes.append(subprocess.Popen([sys.executable, str(PROGRAMS), str(out), *programs], env=env_rank,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    codes, errors = [], []
-    for process in processes:
-        try:
-            _, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            _, stderr = process.communicate()
-        codes.append(process.returncode)
-        errors.append(stderr)
-    return codes, _results(out, world), errors
-
-
-def failures(checks: list[list[dict]], program: str | None = None) -> list[str]:
-    return [f"rank {rank}: {check['name']}: {check.get('error')}" for rank, rank_checks in enumerate(checks)
-            for check in rank_checks if not check["ok"] and (program is None or check["program"] == program)]
-
-
-def names(checks: list[list[dict]], program: str) -> set[str]:
-    return {check["name"] for rank_checks in checks for check in rank_checks if check["program"] == program}
+    return start_ranks(world, str(PROGRAMS), str(out), *programs, out=out, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

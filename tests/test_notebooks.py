@@ -19,6 +19,8 @@ EXPECTED = {
                          "aten::argmax.out", "fallbacks with native decoding ops: []"],
     "generation_performance.ipynb": ["new graphs after warm-up: 0 recompiles: 0", "compiled", "tokens/s"],
 }
+# What one cell (found by a piece of its source) must print.
+EXPECTED_IN_CELL = {"quickstart.ipynb": {"--tp-size 3": "The capital of France is Paris"}}
 PLOTS = {"generation_performance.ipynb": 1}
 
 
@@ -37,5 +39,8 @@ def test_notebook_runs_as_written(name, tmp_path, monkeypatch):
     )
     for expected in EXPECTED.get(name, []):
         assert expected in printed, f"{name} did not print {expected!r}:\n{printed[-3000:]}"
+    for source, expected in EXPECTED_IN_CELL.get(name, {}).items():
+        (cell,) = [cell for cell in code if source in cell.source]
+        assert expected in "".join(output.get("text", "") for output in cell.outputs), cell.outputs
     plots = sum("image/png" in output.get("data", {}) for cell in code for output in cell.outputs)
     assert plots == PLOTS.get(name, 0)

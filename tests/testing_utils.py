@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import torch
 
@@ -29,3 +32,65 @@ def assert_same(device_value: torch.Tensor, cpu_value: torch.Tensor, **tolerance
     """`device_value` is on the neuron device and equals `cpu_value` (torch.testing.assert_close)."""
     assert device_value.device.type == "neuron"
     torch.testing.assert_close(device_value.cpu(), cpu_value, **tolerances)
+
+
+# Jobs of several processes (tests/test_distributed.py, tests/test_tensor_parallel.py). Each rank of a test
+# program writes `OUT/rank<r>.json`: the checks it made, each {"program", "name", "ok", "error", ...}.
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launcher_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})}
+    env.pop("OPTIMUM_NEURON_TORCH_DEVICE_COUNT", None)  # one device per rank, from the launcher
+    return env
+
+
+def launch(world: int, *arguments: str, env: dict[str, str] | None = None,
+           timeout: float = 600) -> subprocess.CompletedProcess:
+    """Runs `python ARGUMENTS` as `world` ranks under torch's launcher (`torchrun`); asserts they all succeeded."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={world}",
+               f"--master-port={free_port()}", *arguments]
+    result = subprocess.run(command, capture_output=True, text=True, env=launcher_environment(env), timeout=timeout)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    return result
+
+
+def start_ranks(world: int, *arguments: str, out: Path, env: dict[str, str] | None = None,
+                timeout: float = 120) -> tuple[list[int], list[list[dict]], list[str]]:
+    """Starts `python ARGUMENTS` once per rank with the launcher's variables, as torchrun would, but lets a
+    rank fail without the others being stopped: returns exit codes, checks and stderr of each rank."""
+    port = free_port()
+    processes = []
+    for rank in range(world):
+        env_rank = launcher_environment({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                                         "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                                         "MASTER_PORT": str(port), **(env or {})})
+        processes.append(subprocess.Popen([sys.executable, *arguments], env=env_rank, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True))
+    codes, errors = [], []
+    for process in processes:
+        try:
+            _, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            _, stderr = process.communicate()
+        codes.append(process.returncode)
+        errors.append(stderr)
+    return codes, rank_checks(out, world), errors
+
+
+def rank_checks(out: Path, world: int) -> list[list[dict]]:
+    return [json.loads((out / f"rank{rank}.json").read_text()) if (out / f"rank{rank}.json").exists() else []
+            for rank in range(world)]
+
+
+def failures(checks: list[list[dict]], program: str | None = None) -> list[str]:
+    return [f"rank {rank}: {check['name']}: {check.get('error')}" for rank, made in enumerate(checks)
+            for check in made if not check["ok"] and (program is None or check["program"] == program)]
+
+
+def names(checks: list[list[dict]], program: str) -> set[str]:
+    return {check["name"] for made in checks for check in made if check["program"] == program}

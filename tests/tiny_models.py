@@ -163,3 +163,23 @@ def tiny_tokenizer(model_type: str) -> PreTrainedTokenizerFast:
         single=single, pair=pair, special_tokens=[(token, vocabulary[token]) for token in special_tokens.values()]
     )
     return PreTrainedTokenizerFast(tokenizer_object=backend, **special_tokens)
+
+
+# Tiny models for tensor parallelism: heads, key-value heads, experts and intermediate sizes that 2 and 4 ranks divide.
+SPLITTABLE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=4, max_position_embeddings=64)
+TENSOR_PARALLEL_MODELS = {
+    m.name: m
+    for m in [
+        _tiny("llama", "LlamaConfig", *CAUSAL, **SPLITTABLE, tie_word_embeddings=True),
+        _tiny("mistral", "MistralConfig", *CAUSAL, **SPLITTABLE),
+        _tiny("qwen2", "Qwen2Config", *CAUSAL, **SPLITTABLE),
+        _tiny("qwen3", "Qwen3Config", *CAUSAL, **SPLITTABLE, head_dim=8),
+        _tiny("gemma2", "Gemma2Config", *CAUSAL, **SPLITTABLE, head_dim=8),
+        _tiny("gemma3", "Gemma3TextConfig", *CAUSAL, **SPLITTABLE, head_dim=8),
+        _tiny("phi3", "Phi3Config", *CAUSAL, **SPLITTABLE, pad_token_id=0),
+        _tiny("olmo2", "Olmo2Config", *CAUSAL, **SPLITTABLE),
+        _tiny("qwen3_moe", "Qwen3MoeConfig", *CAUSAL, **SPLITTABLE, head_dim=8, num_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=32, decoder_sparse_step=1),
+    ]
+}

@@ -14,22 +14,30 @@ from ..compiler.cache import cache_stats, reset_cache_stats
 from ..device import backend_info
 from ..loading.checkpoint import NEURON_GENERATION_NAME
 from ..settings import compile_cache_dir, neff_cache_dir
+from .launch import is_first_rank
 from .models import load_generative_model
 
 
 def compile_model(model_id: str, batch_sizes: tuple[int, ...] | None = None,
                   prompt_buckets: tuple[int, ...] | None = None,
-                  max_length: int | None = None, save: str | os.PathLike[str] | None = None) -> None:
+                  max_length: int | None = None, save: str | os.PathLike[str] | None = None,
+                  tp_size: int = 1) -> None:
     """Runs `model.precompile()` for these buckets (None: the model's own), with its progress bar,
     prints how many graphs were compiled and how many were loaded from the cache, and saves the
-    model, its compiled graphs and its tokenizer (when it has one) in `save`."""
-    model = load_generative_model(model_id)
+    model, its compiled graphs and its tokenizer (when it has one) in `save`. With `tp_size`
+    above 1 this process is one rank of a job of `tp_size` (see `launch`); rank 0 reports."""
+    model = load_generative_model(model_id, tp_size)
+    first = is_first_rank()
     reset_cache_stats()
-    model.precompile(batch_sizes, prompt_buckets, max_length)
+    model.precompile(batch_sizes, prompt_buckets, max_length, show_progress=first)
+    if save is not None:
+        model.save_pretrained(save)  # (under tensor parallelism, every rank: each saves its graphs)
+    if not first:
+        return
     stats, buckets = cache_stats(), model.neuron_generation.buckets
     print(f"{type(model).__name__}: batch sizes {list(buckets.batch_sizes)}, "
           f"prompt buckets {list(buckets.prompt_buckets)}, "
-          f"max length {buckets.max_length}")
+          f"max length {buckets.max_length}" + (f", split between {tp_size} ranks" if tp_size > 1 else ""))
     if backend_info().name == "torchneuron":
         print(f"graphs compiled by TorchNeuron, in its NEFF cache: {neff_cache_dir()}")
     else:
@@ -37,7 +45,6 @@ def compile_model(model_id: str, batch_sizes: tuple[int, ...] | None = None,
               f"{stats.hits} loaded from the compile cache "
               f"({stats.load_seconds:.1f} s): {compile_cache_dir()}")
     if save is not None:
-        model.save_pretrained(save)
         try:
             AutoTokenizer.from_pretrained(model_id).save_pretrained(save)
         except (OSError, ValueError) as error:

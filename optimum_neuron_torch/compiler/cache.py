@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..settings import compile_cache_dir
 from ..staging import build_once
@@ -66,10 +67,22 @@ class Entry:
 
 
 def _describe(value: Any) -> str:
+    if isinstance(value, DeviceMesh):
+        # DTensor's ops are lowered for this rank's place in the mesh (an embedding split by
+        # vocabulary masks this rank's range): each rank's compiled graph is its own.
+        return f"{value!r} at {value.get_coordinate()}"
     if isinstance(value, torch.Tensor):
         return (f"tensor({tuple(value.shape)}, {tuple(value.stride())}, {value.dtype}, {value.device.type}, "
                 f"{value.requires_grad})")
     return repr(value)
+
+
+def _without_current_device_index(code: str) -> str:
+    """The graph's code with the current device's index taken out. The compiled code allocates on
+    the current device (Inductor writes `device='neuron'`), as a NEFF runs on the core that loads
+    it: the ranks of a job, each on its own device, compile the same graph, and keep it once."""
+    current = f"device(type='neuron', index={torch.neuron.current_device()})"
+    return code.replace(current, "device(type='neuron')")
 
 
 def graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], environment: dict[str, str],
@@ -77,7 +90,7 @@ def graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], environment: 
     """The key of a graph: its code, its constants, its inputs' shapes, strides and dtypes, the
     environment (versions, compiler, CPU features) and the compile options."""
     digest = hashlib.sha256()
-    digest.update(gm.code.encode())
+    digest.update(_without_current_device_index(gm.code).encode())
     for name, tensor in sorted((*gm.named_parameters(), *gm.named_buffers())):
         digest.update(f"{name}:{_describe(tensor)}".encode())
         if tensor.device.type != "meta":

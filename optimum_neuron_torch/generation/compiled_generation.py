@@ -41,6 +41,7 @@ from .padding import (
     pad_token_id,
     unpad,
 )
+from .tensor_parallel import embeddings_without_padding_index, share_random_state, tensor_parallel_mesh
 
 COMPILE_CONFIG = CompileConfig(backend="neuron", fullgraph=True, dynamic=False, mode="default")
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -168,6 +169,9 @@ class CompiledGeneration:
         for what those cannot serve."""
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         config, _ = self.model._prepare_generation_config(generation_config, **kwargs)
+        mesh = tensor_parallel_mesh(self.model)
+        if mesh is not None and config.do_sample:
+            share_random_state(mesh)
         if config.disable_compile:
             return transformers_generate(input_ids, generation_config, **kwargs)
         shapes = self._plan(input_ids, config, kwargs)
@@ -260,12 +264,13 @@ class CompiledGeneration:
     @contextlib.contextmanager
     def _serving(self) -> Iterator[None]:
         """While Transformers' generate() runs: its compiled call is ours, Dynamo may keep a graph
-        per bucket, and the cache keys of the graphs used are recorded."""
+        per bucket, the cache keys of the graphs used are recorded, and a split embedding has no
+        padding index (see `embeddings_without_padding_index`)."""
         self.active = True
         try:
             with torch._dynamo.config.patch(recompile_limit=max(64, self.graph_budget),
                                             accumulated_recompile_limit=max(256, self.graph_budget)), \
-                    recording_cache_keys() as keys:
+                    recording_cache_keys() as keys, embeddings_without_padding_index(self.model):
                 yield
         finally:
             self.active = False

@@ -17,6 +17,7 @@ from .buckets import Buckets
 from .compiled_generation import CompiledGeneration
 from .native_ops import native_generation_ops
 from .saving import restore, save
+from .tensor_parallel import tensor_parallel_mesh
 
 
 class NeuronGenerationMixin:
@@ -54,7 +55,7 @@ class NeuronGenerationMixin:
     ) -> None:
         """Transformers' `save_pretrained`, plus the buckets and the compiled graphs."""
         super().save_pretrained(save_directory, *args, is_main_process=is_main_process, **kwargs)
-        if is_main_process:
+        if is_main_process or tensor_parallel_mesh(self) is not None:  # (each rank saves its own graphs)
             save(self.neuron_generation, Path(save_directory))
 
 
@@ -71,7 +72,7 @@ def enable_compiled_generation(model: PreTrainedModel, buckets: Buckets | None =
     in the folder `saved`, else `Buckets.default`); graphs saved there join the compile cache."""
     if isinstance(model, NeuronGenerationMixin):
         disable_compiled_generation(model)
-    restored = restore(Path(saved)) if saved is not None else None
+    restored = restore(Path(saved), model) if saved is not None else None
     model.neuron_generation = CompiledGeneration(model, buckets or restored or Buckets.default(model.config))
     model.__class__ = _with_compiled_generation(type(model))
     return model

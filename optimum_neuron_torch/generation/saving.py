@@ -1,12 +1,14 @@
 """Compiled generation in `save_pretrained` output: the bucket spec, the compile settings, the
 environment the graphs were compiled in (`neuron_generation.json`) and the compiled graphs
 themselves, so that a model saved precompiled arrives precompiled:
-- on the reference device, the model's compile-cache entries (`neuron_compiled/<key>/`);
+- on the reference device, the model's compile-cache entries (`neuron_compiled/<key>/`; under
+  tensor parallelism, every rank's);
 - on TorchNeuron, whose own NEFF cache holds the compiled graphs, the process's compiled artifacts
   as torch's MegaCache serializes them (`torch.compiler.save_cache_artifacts()`, which TorchNeuron
   hooks for its NEFFs): `neuron_compiled/torch_cache_artifacts.bin`, given back to
   `torch.compiler.load_cache_artifacts()` on load. It holds every graph compiled in the process
-  until then, this model's and any other's.
+  until then, this model's and any other's (under tensor parallelism, one file per rank).
+The spec records the tensor-parallel degree: graphs compiled for another degree are compiled again.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import PreTrainedModel
 
 from ..compiler.artifact import compile_environment
 from ..compiler.cache import CompileCache
@@ -24,30 +29,45 @@ from ..device import backend_info
 from ..loading.checkpoint import NEURON_COMPILED_DIR, NEURON_GENERATION_NAME
 from .buckets import Buckets
 from .compiled_generation import COMPILE_CONFIG, CompiledGeneration
+from .tensor_parallel import gather_keys, tensor_parallel_mesh
 
 TORCH_CACHE_ARTIFACTS = "torch_cache_artifacts.bin"
 
 
 def save(generation: CompiledGeneration, folder: Path) -> None:
-    """Writes the spec and the model's compiled graphs into `folder`."""
+    """Writes the spec and the model's compiled graphs into `folder`. Under tensor parallelism
+    every rank calls it: each adds its own graphs, and the first rank writes the spec, which
+    records the degree (`tp_size`) the graphs were compiled for."""
+    mesh = tensor_parallel_mesh(generation.model)
+    first = mesh is None or mesh.get_local_rank() == 0
     spec = {
         "buckets": generation.buckets.to_dict(),
         "compile_config": COMPILE_CONFIG.to_dict(),
         "environment": compile_environment(),
+        "tp_size": 1 if mesh is None else mesh.size(),
     }
-    shutil.rmtree(folder / NEURON_COMPILED_DIR, ignore_errors=True)
+    if first:
+        shutil.rmtree(folder / NEURON_COMPILED_DIR, ignore_errors=True)
+    if mesh is not None:
+        dist.barrier(group=mesh.get_group())  # (the folder is emptied before any rank writes into it)
     if backend_info().name == "torchneuron":
-        spec["torch_cache_artifacts"] = _save_torch_cache_artifacts(folder)
+        spec["torch_cache_artifacts"] = _save_torch_cache_artifacts(folder, _rank_suffix(mesh))
     else:
         cache = CompileCache()
         entries = [entry for entry in map(cache.get, sorted(generation.cache_keys)) if entry is not None]
         for entry in entries:
-            shutil.copytree(entry.path, folder / NEURON_COMPILED_DIR / entry.key)
-        spec["graphs"] = [entry.key for entry in entries]
-    (folder / NEURON_GENERATION_NAME).write_text(json.dumps(spec, indent=2) + "\n")
+            shutil.copytree(entry.path, folder / NEURON_COMPILED_DIR / entry.key, dirs_exist_ok=True)
+        spec["graphs"] = gather_keys(mesh, {entry.key for entry in entries})
+    if first:
+        (folder / NEURON_GENERATION_NAME).write_text(json.dumps(spec, indent=2) + "\n")
 
 
-def _save_torch_cache_artifacts(folder: Path) -> dict[str, int]:
+def _rank_suffix(mesh: DeviceMesh | None) -> str:
+    """The part of a per-rank file name that names the rank ("" on one device)."""
+    return "" if mesh is None else f".rank{mesh.get_local_rank()}"
+
+
+def _save_torch_cache_artifacts(folder: Path, suffix: str) -> dict[str, int]:
     """TorchNeuron: the process's compiled artifacts through torch's MegaCache; {artifact type: count}."""
     serialized = torch.compiler.save_cache_artifacts()
     if serialized is None:
@@ -58,20 +78,23 @@ def _save_torch_cache_artifacts(folder: Path) -> dict[str, int]:
         )
         return {}
     data, info = serialized
-    (folder / NEURON_COMPILED_DIR).mkdir(parents=True)
-    (folder / NEURON_COMPILED_DIR / TORCH_CACHE_ARTIFACTS).write_bytes(data)
+    (folder / NEURON_COMPILED_DIR).mkdir(parents=True, exist_ok=True)
+    (folder / NEURON_COMPILED_DIR / f"{TORCH_CACHE_ARTIFACTS}{suffix}").write_bytes(data)
     return {kind: len(keys) for kind, keys in sorted(info.artifacts.items())}
 
 
-def restore(folder: Path) -> Buckets | None:
+def restore(folder: Path, model: PreTrainedModel) -> Buckets | None:
     """The saved buckets, or None; the saved graphs go into the compile cache when they were
-    compiled in this environment, else a warning says that they will be compiled again."""
+    compiled in this environment for the model's tensor-parallel degree, else a warning says
+    that they will be compiled again."""
     spec_path = folder / NEURON_GENERATION_NAME
     if not spec_path.is_file():
         return None
     spec = json.loads(spec_path.read_text())
     buckets = Buckets.from_dict(spec["buckets"])
-    saved, here = spec.get("environment", {}), compile_environment()
+    mesh = tensor_parallel_mesh(model)
+    saved = {**spec.get("environment", {}), "tp_size": spec.get("tp_size", 1)}
+    here = {**compile_environment(), "tp_size": 1 if mesh is None else mesh.size()}
     differences = {name: (saved.get(name), value) for name, value in here.items() if saved.get(name) != value}
     if differences:
         listed = "; ".join(f"{name}: saved {old!r}, here {new!r}" for name, (old, new) in differences.items())
@@ -80,7 +103,7 @@ def restore(folder: Path) -> Buckets | None:
             "compiled again on first use. Call model.precompile() to compile them all now.", stacklevel=3,
         )
         return buckets
-    artifacts = folder / NEURON_COMPILED_DIR / TORCH_CACHE_ARTIFACTS
+    artifacts = folder / NEURON_COMPILED_DIR / f"{TORCH_CACHE_ARTIFACTS}{_rank_suffix(mesh)}"
     if artifacts.is_file() and backend_info().name == "torchneuron":
         torch.compiler.load_cache_artifacts(artifacts.read_bytes())  # TorchNeuron puts the NEFFs in its cache
     cache = CompileCache()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from huggingface_hub.utils import tqdm as hub_tqdm
 from transformers import PreTrainedModel
 from transformers.core_model_loading import WeightRenaming
@@ -31,6 +32,7 @@ from ..errors import CheckpointError, InsufficientDeviceMemoryError
 from .checkpoint import Checkpoint
 from .pickled_file import PickledFile
 from .safetensors_file import SafetensorsFile
+from .tensor_parallel import as_parameter_value, local_bytes, local_piece, local_shape
 
 logger = logging.getLogger(__name__)
 
@@ -114,12 +116,12 @@ def _tied_targets(model: PreTrainedModel) -> set[str]:
 
 def _device_bytes(model: PreTrainedModel) -> int:
     """Bytes of every parameter and buffer the loaded model holds on the device (tied ones once:
-    on the meta model they are not tied yet)."""
+    on the meta model they are not tied yet; this rank's pieces of a tensor-parallel model)."""
     tied_targets = _tied_targets(model)
     tensors = {key: t for key, t in model.state_dict(keep_vars=True).items() if key not in tied_targets}
     tensors.update(model.named_buffers())
     unique = {id(t): t for t in tensors.values()}
-    return sum(t.numel() * t.element_size() for t in unique.values())
+    return sum(local_bytes(t) for t in unique.values())
 
 
 def _size(nbytes: int) -> str:
@@ -159,15 +161,18 @@ def release(model: torch.nn.Module) -> None:
         for tensors in (module._parameters, module._buffers):
             for attribute, tensor in tensors.items():
                 if tensor is not None and tensor.device.type != "meta":
-                    tensors[attribute] = torch.empty_like(tensor, device="meta")
+                    tensors[attribute] = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
 
 def _progress(total: int, name: str) -> hub_tqdm:
-    return hub_tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"Loading {name}", leave=False)
+    quiet = dist.is_initialized() and dist.get_rank() != 0  # one bar for a job of several ranks, not one per rank
+    return hub_tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"Loading {name}", leave=False,
+                    disable=True if quiet else None)
 
 
 def stream_into(model: PreTrainedModel, plan: _Plan, device: torch.device, name: str) -> None:
-    """Copies every planned tensor onto the device, in the plan's (file) order."""
+    """Copies every planned tensor onto the device, in the plan's (file) order. Of a parameter
+    split between ranks (a DTensor), only this rank's piece is read and copied."""
     meta = model.state_dict()
     with _progress(sum(file.entries[tensor].nbytes for file, tensor in plan.targets.values()), name) as progress:
         previous_file = None
@@ -175,13 +180,14 @@ def stream_into(model: PreTrainedModel, plan: _Plan, device: torch.device, name:
             if file is not previous_file:
                 file.prefetch()
                 previous_file = file
+            reference = meta[key]
             value = None
             source = None
             try:
-                value = torch.empty(meta[key].shape, dtype=meta[key].dtype, device=device)
-                source = file.tensor(tensor)
+                value = torch.empty(local_shape(reference), dtype=reference.dtype, device=device)
+                source = file.tensor(tensor, local_piece(reference))
                 value.copy_(source)
-                _set_tensor(model, key, value)
+                _set_tensor(model, key, as_parameter_value(value, reference))
             finally:
                 # Frames stay alive in a traceback: never let them hold device memory or a mapping.
                 value = source = None
@@ -190,7 +196,7 @@ def stream_into(model: PreTrainedModel, plan: _Plan, device: torch.device, name:
 
 
 def finalize(model: PreTrainedModel, plan: _Plan, device: torch.device, name: str,
-             ignore_mismatched_sizes: bool) -> LoadStateDictInfo:
+             ignore_mismatched_sizes: bool, device_mesh: Any = None) -> LoadStateDictInfo:
     """Transformers' own finalization: missing keys, non-persistent buffers, tying, the report."""
     info = LoadStateDictInfo(
         missing_keys=set(model.state_dict()) - set(plan.targets) - {key for key, _, _ in plan.mismatched},
@@ -201,6 +207,7 @@ def finalize(model: PreTrainedModel, plan: _Plan, device: torch.device, name: st
         skipped_pp_keys=set(),
     )
     config = LoadStateDictConfig(
-        pretrained_model_name_or_path=name, ignore_mismatched_sizes=ignore_mismatched_sizes, device_map={"": device}
+        pretrained_model_name_or_path=name, ignore_mismatched_sizes=ignore_mismatched_sizes, device_map={"": device},
+        device_mesh=device_mesh,
     )
     return type(model)._finalize_model_loading(model, config, info)

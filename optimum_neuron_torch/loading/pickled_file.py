@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,8 +41,9 @@ class PickledFile:
             for position, (name, t) in enumerate(state.items())
         }
 
-    def tensor(self, name: str) -> torch.Tensor:
-        return self._tensors[name]
+    def tensor(self, name: str, part: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """The tensor (mapped by torch.load), or the piece of it `part` selects (see `SafetensorsFile.tensor`)."""
+        return self._tensors[name] if part is None else part(self._tensors[name])
 
     def prefetch(self) -> None:
         """Nothing to do: torch.load maps the file itself."""

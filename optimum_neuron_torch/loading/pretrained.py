@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
@@ -12,11 +13,14 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig, PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import WeightRenaming
+from transformers.distributed import DistributedConfig
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
 from transformers.utils.generic import ContextManagers
+from transformers.utils.loading_report import LoadStateDictInfo
 
 from ..errors import ArgumentTypeError, ConfigurationError, UnsupportedModelError
+from . import tensor_parallel
 from .checkpoint import GENERATION_CONFIG_NAME, Checkpoint, resolve_checkpoint
 from .loader import _open, check_device_memory, finalize, plan_loading, release, stream_into
 
@@ -84,15 +88,45 @@ def load_pretrained(
     allow_pickle: bool = False,
     ignore_mismatched_sizes: bool = False,
     attn_implementation: str | None = None,
+    distributed_config: DistributedConfig | dict | None = None,
+    tp_plan: str | dict[str, str] | None = None,
+    tp_size: int | None = None,
     **config_kwargs: Any,
 ) -> PreTrainedModel:
     """Loads a Transformers model straight onto `device`, streaming its weights from disk. The
     local folder it was read from is kept as `model.neuron_checkpoint_folder`. The arguments are
-    those of `NeuronAutoModel.from_pretrained` (which documents them), less `patches`."""
-    checkpoint = resolve_checkpoint(
-        name_or_path, revision=revision, token=token, cache_dir=cache_dir,
-        local_files_only=local_files_only, allow_pickle=allow_pickle,
-    )
+    those of `NeuronAutoModel.from_pretrained` (which documents them), less `patches`.
+
+    Under tensor parallelism (`distributed_config`, `tp_plan` or `tp_size`) every rank of the job
+    runs this: each reads and keeps only its pieces of the split tensors, on its own device, and
+    each step that can fail on one rank is agreed on by all before the next (see `tensor_parallel`).
+    """
+    parallel = tensor_parallel.distributed_config(distributed_config, tp_plan, tp_size)
+    mesh_manager = tensor_parallel.start(parallel) if parallel is not None else None
+
+    def together(step: str, action: Callable[[], Any]) -> Any:
+        """`action()`; under tensor parallelism every rank then learns whether it failed anywhere."""
+        if parallel is None:
+            return action()
+        try:
+            result = action()
+        except Exception as error:
+            tensor_parallel.agree(step, error)
+        tensor_parallel.agree(step, None)
+        return result
+
+    def resolve(offline: bool) -> Checkpoint:
+        return resolve_checkpoint(
+            name_or_path, revision=revision, token=token, cache_dir=cache_dir,
+            local_files_only=local_files_only or offline, allow_pickle=allow_pickle,
+        )
+
+    if parallel is None:
+        checkpoint = resolve(offline=False)
+    else:  # one download per host: its first rank downloads, the others then find the files in the cache
+        first_on_host = tensor_parallel.local_rank() == 0
+        found = together("resolving the checkpoint", lambda: resolve(offline=False) if first_on_host else None)
+        checkpoint = together("resolving the checkpoint", lambda: found or resolve(offline=True))
     config, unused = AutoConfig.from_pretrained(
         checkpoint.folder, trust_remote_code=trust_remote_code, return_unused_kwargs=True, **config_kwargs
     )
@@ -109,24 +143,42 @@ def load_pretrained(
         device = torch.device("neuron", torch.neuron.current_device())
 
     with ExitStack() as files_stack:
-        files = _open(checkpoint, files_stack)
-        dtype = resolve_dtype(dtype, config, files)
-        model = build_on_meta(concrete, config, dtype)
-        conversions = get_model_conversion_mapping(model, None, None)
-        if any(not isinstance(c, WeightRenaming) for c in conversions):
+
+        def prepare() -> tuple:
+            """Everything before the first allocation: the files checked, the model on meta, split
+            by the plan, matched with the checkpoint, and measured against the free memory."""
+            files = _open(checkpoint, files_stack)
+            model_dtype = resolve_dtype(dtype, config, files)
+            if parallel is not None:
+                tensor_parallel.check_divisible(config, parallel.tp_size, checkpoint.name)
+            model = build_on_meta(concrete, config, model_dtype)
+            if parallel is not None:
+                model = tensor_parallel.shard(model, parallel, mesh_manager, checkpoint.name)
+            conversions = get_model_conversion_mapping(model, None, None)
+            if any(not isinstance(c, WeightRenaming) for c in conversions):
+                return model_dtype, model, None
+            plan = plan_loading(model, checkpoint, files, conversions, ignore_mismatched_sizes)
+            check_device_memory(model, device, checkpoint.name)
+            return model_dtype, model, plan
+
+        dtype, model, plan = together("checking the checkpoint", prepare)
+        if plan is None:
             model = _load_with_transformers(
-                concrete, checkpoint, dtype, device, trust_remote_code, ignore_mismatched_sizes, config
+                concrete, checkpoint, dtype, device, trust_remote_code, ignore_mismatched_sizes, config, parallel
             )
             model.neuron_checkpoint_folder = checkpoint.folder
             return model
-        plan = plan_loading(model, checkpoint, files, conversions, ignore_mismatched_sizes)
-        check_device_memory(model, device, checkpoint.name)
-        try:
-            stream_into(model, plan, device, checkpoint.name)
-            info = finalize(model, plan, device, checkpoint.name, ignore_mismatched_sizes)
-        except BaseException:
-            release(model)
-            raise
+
+        def stream() -> LoadStateDictInfo:
+            try:
+                stream_into(model, plan, device, checkpoint.name)
+                mesh = model._device_mesh if parallel is not None else None
+                return finalize(model, plan, device, checkpoint.name, ignore_mismatched_sizes, mesh)
+            except BaseException:
+                release(model)
+                raise
+
+        info = together("loading the weights", stream)
     model.eval()
     if model.can_generate() and (checkpoint.folder / GENERATION_CONFIG_NAME).is_file():
         model.generation_config = GenerationConfig.from_pretrained(checkpoint.folder)
@@ -138,15 +190,17 @@ def load_pretrained(
 def _load_with_transformers(
     model_class: type, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
     trust_remote_code: bool, ignore_mismatched_sizes: bool, config: PretrainedConfig,
+    parallel: DistributedConfig | None,
 ) -> PreTrainedModel:
     """Architectures whose checkpoints need tensor conversions (fused experts and the like) load
-    through Transformers' own path on the host, then move to the device."""
+    through Transformers' own path on the host, then move to the device; under tensor parallelism
+    Transformers' path shards on read and places each rank's pieces on its device itself."""
     logger.warning(
         "%s: %s converts checkpoint tensors on load; using Transformers' loader (on the host, not streamed).",
         checkpoint.name, model_class.__name__,
     )
     model = model_class.from_pretrained(
         checkpoint.folder, config=config, dtype=dtype, trust_remote_code=trust_remote_code,
-        ignore_mismatched_sizes=ignore_mismatched_sizes,
+        ignore_mismatched_sizes=ignore_mismatched_sizes, distributed_config=parallel,
     )
-    return model.to(device)
+    return model if parallel is not None else model.to(device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,17 +143,28 @@ class SafetensorsFile:
                 )
         return entries
 
-    def tensor(self, name: str) -> torch.Tensor:
-        """A CPU view of the tensor's bytes in the (copy-on-write) mapping: no copy is made."""
+    def tensor(self, name: str, part: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """A CPU view of the tensor's bytes in the (copy-on-write) mapping: no copy is made.
+
+        With `part`, a function of the whole tensor's view that returns a view of a piece of it
+        (a rank's rows or columns), that piece, and only the pages it spans are read."""
         entry = self.entries[name]
         if entry.nbytes == 0:
-            return torch.empty(entry.shape, dtype=entry.dtype)
-        try:  # map the tensor's pages in one request rather than fault them in one by one
-            self._map.madvise(MADV_POPULATE_READ, *self._pages(entry))
-        except OSError:
-            pass  # an older kernel: the copy faults the pages in, correctly, if more slowly
+            whole = torch.empty(entry.shape, dtype=entry.dtype)
+            return whole if part is None else part(whole)
         flat = torch.frombuffer(self._map, dtype=torch.uint8, count=entry.nbytes, offset=entry.start)
-        return flat.view(entry.dtype).view(entry.shape)
+        whole = flat.view(entry.dtype).view(entry.shape)
+        piece = whole if part is None else part(whole)
+        first = piece.data_ptr() - flat.data_ptr()
+        if piece.numel() and 0 <= first < entry.nbytes:  # (a piece gathered from several slices is a copy)
+            span = (1 + sum((size - 1) * stride for size, stride in zip(piece.shape, piece.stride(), strict=True)))
+            start = entry.start + first
+            aligned = start - start % mmap.PAGESIZE
+            try:  # map the piece's pages in one request rather than fault them in one by one
+                self._map.madvise(MADV_POPULATE_READ, aligned, start + span * piece.element_size() - aligned)
+            except OSError:
+                pass  # an older kernel: the copy faults the pages in, correctly, if more slowly
+        return piece
 
     def prefetch(self) -> None:
         """Starts reading the whole file into the page cache in the background (kernel readahead;

@@ -19,6 +19,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
 )
+from transformers.distributed import DistributedConfig
 
 from ..generation import enable_compiled_generation
 from ..loading import load_pretrained
@@ -46,6 +47,9 @@ class _NeuronAutoMixin:
         ignore_mismatched_sizes: bool = False,
         attn_implementation: str | None = None,
         patches: bool | Iterable[str] = True,
+        distributed_config: DistributedConfig | dict | None = None,
+        tp_plan: str | dict[str, str] | None = None,
+        tp_size: int | None = None,
         **config_kwargs: Any,
     ) -> PreTrainedModel:
         """Loads the model of a checkpoint straight onto the `neuron` device, streaming its weights
@@ -82,6 +86,15 @@ class _NeuronAutoMixin:
                 The model patches to apply (see `optimum_neuron_torch.patches`): `True`, all that the
                 model needs; an iterable of names, those among them it needs; `False`, none. The
                 patches applied are listed on `model.neuron_patches`.
+            distributed_config (`DistributedConfig` or `dict`, *optional*):
+                Tensor parallelism, as Transformers takes it: `DistributedConfig(tp_size=N)` splits
+                the model by its own tensor-parallel plan between the N ranks of a `torchrun` job
+                (one `neuron` device each); every rank reads from the files only the pieces it keeps.
+            tp_plan (`str` or `dict`, *optional*):
+                The older form of `distributed_config=DistributedConfig(tp_plan=...)` (`"auto"`: the
+                model's own plan), still accepted as Transformers accepts it.
+            tp_size (`int`, *optional*):
+                The older form of `distributed_config=DistributedConfig(tp_size=...)`.
             config_kwargs (`dict[str, Any]`, *optional*):
                 Config attributes to override (`num_labels=3`, `use_cache=False`, ...).
 
@@ -106,6 +119,12 @@ class _NeuronAutoMixin:
                 If a keyword argument is neither one of these nor a config attribute.
             [`~optimum_neuron_torch.errors.InsufficientDeviceMemoryError`]:
                 If the model does not fit in the device's free memory (checked before loading).
+            [`~optimum_neuron_torch.errors.RankFailedError`]:
+                Under tensor parallelism, if another rank failed to load (the message names it and
+                its error); every rank raises, none is left waiting. A `tp_size` that differs from
+                the job's number of processes or does not divide the attention heads, and a model
+                without a tensor-parallel plan, raise `ConfigurationError` and
+                `UnsupportedModelError` before anything is loaded.
 
         Example:
 
@@ -124,7 +143,8 @@ class _NeuronAutoMixin:
             cls, pretrained_model_name_or_path, revision=revision, dtype=dtype, device=device, token=token,
             cache_dir=cache_dir, local_files_only=local_files_only, trust_remote_code=trust_remote_code,
             allow_pickle=allow_pickle, ignore_mismatched_sizes=ignore_mismatched_sizes,
-            attn_implementation=attn_implementation, **config_kwargs,
+            attn_implementation=attn_implementation, distributed_config=distributed_config, tp_plan=tp_plan,
+            tp_size=tp_size, **config_kwargs,
         )
         apply_patches(model, None if patches is True else () if patches is False else patches)
         if cls.compiled_generation and model.device.type == "neuron":

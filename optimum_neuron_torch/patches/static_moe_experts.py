@@ -3,6 +3,7 @@ routing with data-dependent shapes, as TorchNeuron needs static shapes."""
 
 from __future__ import annotations
 
+import copy
 import types
 from collections.abc import Callable
 
@@ -27,11 +28,29 @@ def _defined_in(function: Callable, filename: str) -> bool:
 
 def _use_static_experts(model: nn.Module) -> Undo:
     """Binds Transformers' own static implementation to each experts module of this instance (the
-    config's switch is left alone: models built from one config object share it)."""
+    config's switch is left alone: models built from one config object share it). An experts
+    module whose forward is already wrapped on the instance (tensor parallelism's hooks, which
+    call the class's forward inside) keeps its wrapper and gets a config of its own instead, set
+    to the static implementation, which the class's forward dispatches on."""
     static_forward = moe.ALL_EXPERTS_FUNCTIONS[STATIC_EXPERTS]
-    return undo_all([
-        replace_forward(module, types.MethodType(static_forward, module)) for module in _switchable_experts(model)
-    ])
+    undos = []
+    for module in _switchable_experts(model):
+        if "forward" in module.__dict__:
+            undos.append(_own_config(module))
+        else:
+            undos.append(replace_forward(module, types.MethodType(static_forward, module)))
+    return undo_all(undos)
+
+
+def _own_config(module: nn.Module) -> Undo:
+    shared = module.config
+    module.config = copy.copy(shared)
+    module.config._experts_implementation = STATIC_EXPERTS
+
+    def undo() -> None:
+        module.config = shared
+
+    return undo
 
 
 PATCH = ModelPatch(

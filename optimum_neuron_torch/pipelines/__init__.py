@@ -23,7 +23,7 @@ from .text2text_generation import Text2TextGenerationPipeline
 
 # Keyword arguments that apply to loading the model (and, the Hub ones, its tokenizer).
 HUB_KWARGS = ("revision", "token", "cache_dir", "local_files_only", "trust_remote_code")
-LOADING_KWARGS = (*HUB_KWARGS, "dtype", "patches", "model_kwargs")
+LOADING_KWARGS = (*HUB_KWARGS, "dtype", "patches", "model_kwargs", "distributed_config", "tp_plan", "tp_size")
 
 
 def pipeline(
@@ -51,7 +51,9 @@ def pipeline(
             Where the model runs.
         kwargs (`dict[str, Any]`, *optional*):
             `revision`, `token`, `cache_dir`, `local_files_only`, `trust_remote_code`, `dtype`,
-            `patches` and `model_kwargs` (config overrides) go to the model's `from_pretrained`
+            `patches`, `model_kwargs` (config overrides) and the tensor-parallel arguments
+            (`tp_size`, `tp_plan`, `distributed_config`: inside a `torchrun` job, every rank
+            builds the pipeline and calls it) go to the model's `from_pretrained`
             (the Hub ones to the tokenizer's too); the others (`max_new_tokens`, `top_k`,
             `batch_size`, ...) go to the pipeline.
 
@@ -101,6 +103,7 @@ def pipeline(
         hub = {name: loading[name] for name in HUB_KWARGS if name in loading}
         config_kwargs = loading.pop("model_kwargs", None) or {}
         model = NEURON_AUTO_CLASSES[task].from_pretrained(source, device=device, **loading, **config_kwargs)
+        device = model.device  # (its index: under tensor parallelism, this rank's device)
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or source), **hub)
     if task in PIPELINE_CLASSES:

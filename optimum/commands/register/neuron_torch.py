@@ -6,6 +6,7 @@ imported inside `run`, so that `optimum-cli --help` stays fast, and so that a fa
 `error: <what>: <why>`, on stderr, and exit status 2.
 """
 
+import os
 import sys
 from abc import abstractmethod
 from argparse import ArgumentParser, ArgumentTypeError
@@ -45,7 +46,8 @@ class _LibraryCommand(_DescribedCommand):
         try:
             status = self.execute()
         except Exception as error:  # one readable line, not a traceback
-            print(f"error: {self.failure()}: {_reason(error)}", file=sys.stderr)
+            rank = f" (rank {os.environ['RANK']})" if "RANK" in os.environ and "WORLD_SIZE" in os.environ else ""
+            print(f"error{rank}: {self.failure()}: {_reason(error)}", file=sys.stderr)
             sys.exit(FAILURE_STATUS)
         sys.exit(status)
 
@@ -59,6 +61,19 @@ def _sizes(text: str) -> tuple[int, ...]:
     if not sizes or min(sizes) < 1:
         raise ArgumentTypeError(f"{text!r} is not a comma-separated list of positive whole numbers, such as 1,4")
     return sizes
+
+
+def _add_tp_size(parser: ArgumentParser) -> None:
+    parser.add_argument("--tp-size", type=_positive, default=1, metavar="N",
+                        help="Split the model between N neuron devices (tensor parallelism): N processes are started "
+                             "through torch.distributed.run, one per device (default: 1).")
+
+
+def _positive(text: str) -> int:
+    """Parses a positive whole number."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ArgumentTypeError(f"{text!r} is not a positive whole number")
+    return int(text)
 
 
 class GenerateCommand(_LibraryCommand):
@@ -83,17 +98,22 @@ class GenerateCommand(_LibraryCommand):
         parser.add_argument("--no-chat-template", action="store_true",
                             help="Give the prompt as it is, without the tokenizer's chat template.")
         parser.add_argument("--system", help="A system message, put before the prompt by the chat template.")
+        _add_tp_size(parser)
 
     def failure(self) -> str:
         return f"cannot generate with {self.args.model or 'the default model'}"
 
     def execute(self) -> int:
-        from optimum_neuron_torch.commands.generate import generate
+        from optimum_neuron_torch.commands.generate import generate, read_prompt
+        from optimum_neuron_torch.commands.launch import launch, under_launcher
 
         args = self.args
+        if args.tp_size > 1 and not under_launcher():  # the ranks get the prompt read here (stdin is ours)
+            prompt = [] if args.prompt is not None else ["--", read_prompt(None)]
+            return launch(args.tp_size, [*sys.argv[1:], *prompt])
         generate(args.model, args.prompt, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                 chat_template=not args.no_chat_template, system=args.system)
+                 chat_template=not args.no_chat_template, system=args.system, tp_size=args.tp_size)
         return 0
 
 
@@ -139,15 +159,19 @@ class CompileCommand(_LibraryCommand):
                             help="KV cache length: padded prompt plus new tokens (default: the model's).")
         parser.add_argument("--save", metavar="DIR",
                             help="Save the model (and its tokenizer) with its compiled graphs in DIR.")
+        _add_tp_size(parser)
 
     def failure(self) -> str:
         return f"cannot compile {self.args.model}"
 
     def execute(self) -> int:
         from optimum_neuron_torch.commands.compile import compile_model
+        from optimum_neuron_torch.commands.launch import launch, under_launcher
 
+        if self.args.tp_size > 1 and not under_launcher():
+            return launch(self.args.tp_size, sys.argv[1:])
         compile_model(self.args.model, self.args.batch_sizes, self.args.prompt_buckets, self.args.max_length,
-                      self.args.save)
+                      self.args.save, self.args.tp_size)
         return 0
 
 

@@ -1,0 +1,67 @@
+"""What compiled generation does differently for a model split between ranks (tensor parallelism):
+every rank runs the same steps with the same inputs, so every random draw must be the same on all
+of them, and each rank compiles (and saves) its own graphs, which DTensor specializes to its place
+in the mesh."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+
+
+def tensor_parallel_mesh(model: PreTrainedModel) -> DeviceMesh | None:
+    """The mesh the model's parameters are split over, or None for a model on one device."""
+    for parameter in model.parameters():
+        if isinstance(parameter, DTensor):
+            return parameter.device_mesh
+    return None
+
+
+def tensor_parallel_size(model: PreTrainedModel) -> int:
+    """How many ranks the model is split between (1 on one device)."""
+    mesh = tensor_parallel_mesh(model)
+    return 1 if mesh is None else mesh.size()
+
+
+def share_random_state(mesh: DeviceMesh) -> None:
+    """Gives every rank of `mesh` the random states of its first rank, the `neuron` device's and the
+    CPU's (ops that fall back to the CPU, sampling among them, draw from it), so that sampling
+    draws the same tokens everywhere: ranks that sampled apart would feed the collectives
+    different sequences. Under `torch.manual_seed(s)` on every rank this changes nothing."""
+    states = [(torch.neuron.get_rng_state(), torch.get_rng_state())]
+    dist.broadcast_object_list(states, group_src=0, group=mesh.get_group())
+    torch.neuron.set_rng_state(states[0][0])
+    torch.set_rng_state(states[0][1])
+
+
+def gather_keys(mesh: DeviceMesh | None, keys: set[str]) -> list[str]:
+    """The compile-cache keys of every rank's graphs (each rank's own: see the module's docstring)."""
+    if mesh is None:
+        return sorted(keys)
+    everyone: list[set[str] | None] = [None] * mesh.size()
+    dist.all_gather_object(everyone, keys, group=mesh.get_group())
+    return sorted(set().union(*everyone))
+
+
+@contextlib.contextmanager
+def embeddings_without_padding_index(model: PreTrainedModel) -> Iterator[None]:
+    """Unsets `padding_idx` on the split embeddings while compiled generation runs. It only keeps the
+    padding row's gradient at zero, and generation computes no gradient; DTensor's embedding with
+    a padding index does not compile (Phi-3, whose `pad_token_id` becomes the embedding's)."""
+    changed = [module for module in model.modules()
+               if isinstance(module, torch.nn.Embedding) and isinstance(module.weight, DTensor)
+               and module.padding_idx is not None]
+    indices = [module.padding_idx for module in changed]
+    for module in changed:
+        module.padding_idx = None
+    try:
+        yield
+    finally:
+        for module, index in zip(changed, indices, strict=True):
+            module.padding_idx = index
