@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoConfig, PreTrainedModel
 
 from .. import modeling
-from ..compiler import CompileCache, recording_partitions, stablehlo
+from ..compiler import CompileCache, artifact, recording_partitions, stablehlo
 from ..compiler.dynamo_backend import recording_cache_keys
 from ..device import backend_info, clear_op_tracking, fallback_stats, support_profile
 from ..errors import ArgumentTypeError, first_line
@@ -167,8 +167,9 @@ def _compiled_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityR
     for partition in partitions:
         report.unlowered_ops += [UnloweredOp(node.op, node.reason) for node in partition.fallback_nodes]
     if stablehlo.available():
-        statuses = [entry.metadata.get("stablehlo", "ok") for entry in map(CompileCache().get, sorted(keys)) if entry]
-        failed = [status for status in statuses if status != "ok"]
+        statuses = [entry.metadata.get("stablehlo", artifact.LOWERS) for entry in map(CompileCache().get, sorted(keys))
+                    if entry]
+        failed = [status for status in statuses if artifact.lowering_failed(status)]
         report.unlowered_ops += [UnloweredOp("graph", status) for status in failed]
         report.stablehlo = f"{len(statuses) - len(failed)} of {len(statuses)} compiled graph(s) lower to StableHLO"
 

@@ -25,6 +25,8 @@ from ..version import __version__
 from . import stablehlo
 
 GRAPH_FILE = "graph.bin"
+LOWERS = "ok"  # the StableHLO status of a graph that lowers; otherwise the error, or why it was not checked
+NOT_CHECKED = "not checked"
 KERNELS_DIR = "kernels"
 STABLEHLO_FILE = "graph.stablehlo.mlir"
 
@@ -112,10 +114,10 @@ def _lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list[Any], fol
     have no Torch-MLIR lowering, and TorchNeuron lowers them itself."""
     called = stablehlo.collectives(gm)
     if called:
-        return f"not checked: the graph calls collectives ({', '.join(called)}), which TorchNeuron lowers itself"
+        return f"{NOT_CHECKED}: the graph calls collectives ({', '.join(called)}), which TorchNeuron lowers itself"
     try:
         (folder / STABLEHLO_FILE).write_text(stablehlo.lower(gm, example_inputs))
-        return "ok"
+        return LOWERS
     except Exception as error:  # any failure of the check is its result, never a failed compile
         message = f"{type(error).__name__}: {first_line(error)}"
         if strict:
@@ -123,6 +125,12 @@ def _lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list[Any], fol
         warnings.warn(f"This graph does not lower to StableHLO, so TorchNeuron could not compile it ({message}). "
                       "It runs on the reference device.", stacklevel=2)
         return message
+
+
+def lowering_failed(status: str) -> bool:
+    """Whether a graph's recorded StableHLO status says it does not lower (a graph that was not
+    checked, one that calls collectives, has not failed)."""
+    return status != LOWERS and not status.startswith(NOT_CHECKED)
 
 
 def load(folder: Path) -> Callable[..., Any]:

@@ -107,16 +107,15 @@ def compile_cached(gm: torch.fx.GraphModule, example_inputs: list[Any], options:
 
     start = time.perf_counter()
     entry, built = CompileCache().get_or_build(key, build)
-    if strict_lowering and entry.metadata.get("stablehlo", "ok") != "ok":
+    if built:  # (counted before a strict check refuses it: the compile happened)
+        STATS.misses += 1
+        STATS.compile_seconds += time.perf_counter() - start
+    if strict_lowering and artifact.lowering_failed(entry.metadata.get("stablehlo", artifact.LOWERS)):
         raise LoweringError(entry.metadata["stablehlo"])
     compiled = artifact.load(entry.path)
-    elapsed = time.perf_counter() - start
-    if built:
-        STATS.misses += 1
-        STATS.compile_seconds += elapsed
-    else:
+    if not built:
         STATS.hits += 1
-        STATS.load_seconds += elapsed
+        STATS.load_seconds += time.perf_counter() - start
     return _recorded(compiled, key)
 
 
