@@ -196,7 +196,7 @@ def stream_into(model: PreTrainedModel, plan: _Plan, device: torch.device, name:
 
 
 def finalize(model: PreTrainedModel, plan: _Plan, device: torch.device, name: str,
-             ignore_mismatched_sizes: bool, device_mesh: Any = None) -> LoadStateDictInfo:
+             ignore_mismatched_sizes: bool) -> LoadStateDictInfo:
     """Transformers' own finalization: missing keys, non-persistent buffers, tying, the report."""
     info = LoadStateDictInfo(
         missing_keys=set(model.state_dict()) - set(plan.targets) - {key for key, _, _ in plan.mismatched},
@@ -207,7 +207,6 @@ def finalize(model: PreTrainedModel, plan: _Plan, device: torch.device, name: st
         skipped_pp_keys=set(),
     )
     config = LoadStateDictConfig(
-        pretrained_model_name_or_path=name, ignore_mismatched_sizes=ignore_mismatched_sizes, device_map={"": device},
-        device_mesh=device_mesh,
+        pretrained_model_name_or_path=name, ignore_mismatched_sizes=ignore_mismatched_sizes, device_map={"": device}
     )
     return type(model)._finalize_model_loading(model, config, info)

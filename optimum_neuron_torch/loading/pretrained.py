@@ -17,7 +17,6 @@ from transformers.distributed import DistributedConfig
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
 from transformers.utils.generic import ContextManagers
-from transformers.utils.loading_report import LoadStateDictInfo
 
 from ..errors import ArgumentTypeError, ConfigurationError, UnsupportedModelError
 from . import tensor_parallel
@@ -169,16 +168,13 @@ def load_pretrained(
             model.neuron_checkpoint_folder = checkpoint.folder
             return model
 
-        def stream() -> LoadStateDictInfo:
-            try:
-                stream_into(model, plan, device, checkpoint.name)
-                mesh = model._device_mesh if parallel is not None else None
-                return finalize(model, plan, device, checkpoint.name, ignore_mismatched_sizes, mesh)
-            except BaseException:
-                release(model)
-                raise
-
-        info = together("loading the weights", stream)
+        try:  # (finalizing runs collectives of its own, so every rank must have loaded first)
+            together("loading the weights", lambda: stream_into(model, plan, device, checkpoint.name))
+            info = together("finalizing the model",
+                            lambda: finalize(model, plan, device, checkpoint.name, ignore_mismatched_sizes))
+        except BaseException:  # this rank's failure or another's: no half-loaded model keeps device memory
+            release(model)
+            raise
     model.eval()
     if model.can_generate() and (checkpoint.folder / GENERATION_CONFIG_NAME).is_file():
         model.generation_config = GenerationConfig.from_pretrained(checkpoint.folder)
