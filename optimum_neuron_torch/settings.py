@@ -45,9 +45,11 @@ NEFF_CACHE_DEFAULT = "/tmp/neff_cache"  # TorchNeuron's default
 CXX_ENV = "CXX"  # the C++ compiler (as for PyTorch's extension builder)
 # Set by torchrun (and other launchers) in each process: one neuron device per local rank.
 DISTRIBUTED_TIMEOUT_ENV = "OPTIMUM_NEURON_TORCH_DISTRIBUTED_TIMEOUT"
+# The launcher's (torchrun sets them for each rank)
+RANK_ENV = "RANK"
+WORLD_SIZE_ENV = "WORLD_SIZE"
 LOCAL_RANK_ENV = "LOCAL_RANK"
 LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
-WORLD_SIZE_ENV = "WORLD_SIZE"
 
 BACKENDS = ("auto", "torchneuron", "reference")
 FALLBACK_MODES = ("warn", "error", "silent")
@@ -143,6 +145,26 @@ def neff_cache_dir() -> Path:
 def cxx_compiler() -> str:
     """The C++ compiler that builds the reference device: `$CXX`, else `c++`."""
     return os.environ.get(CXX_ENV) or "c++"
+
+
+def launched() -> bool:
+    """Whether this process is one rank of a job that a launcher (`torchrun`) started."""
+    return WORLD_SIZE_ENV in os.environ
+
+
+def launcher_rank() -> int:
+    """This process's rank in the job (`RANK`; 0 without a launcher)."""
+    return int(os.environ.get(RANK_ENV, "0"))
+
+
+def launcher_local_rank() -> int:
+    """This process's rank on its host (`LOCAL_RANK`; 0 without a launcher)."""
+    return int(os.environ.get(LOCAL_RANK_ENV, "0"))
+
+
+def launcher_world_size() -> int:
+    """The number of processes of the job (`WORLD_SIZE`; 1 without a launcher)."""
+    return int(os.environ.get(WORLD_SIZE_ENV, "1"))
 
 
 def distributed_timeout() -> float:

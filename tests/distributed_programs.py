@@ -15,6 +15,7 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 
@@ -489,21 +490,28 @@ def _wait_in_all_reduce() -> None:
 PROGRAMS = {name[len("program_"):]: value for name, value in globals().items() if name.startswith("program_")}
 
 
+def run_programs(programs: dict[str, Callable[[], None]], names: list[str], out: Path,
+                 reraise: tuple[str, ...] = ()) -> None:
+    """Runs the named programs on this rank and writes `OUT/rank<r>.json`. A program that raises is
+    recorded as a failed check and the next one runs; those in `reraise` end the process too."""
+    try:
+        for name in names:
+            CURRENT["program"] = name
+            try:
+                programs[name]()
+            except Exception:  # noqa: BLE001 (recorded, the other programs still run)
+                record(f"{name} raised", False, traceback.format_exc()[-3000:])
+                if name in reraise:
+                    raise
+    finally:
+        (out / f"rank{RANK}.json").write_text(json.dumps(CHECKS, indent=1))
+
+
 def main() -> None:
     out, programs = Path(sys.argv[1]), sys.argv[2:]
     timeout = float(os.environ.get("NEURON_TEST_PG_TIMEOUT", "120"))
     dist.init_process_group(timeout=timedelta(seconds=timeout))  # no backend named: `neuron` is the default
-    try:
-        for name in programs:
-            CURRENT["program"] = name
-            try:
-                PROGRAMS[name]()
-            except Exception:  # noqa: BLE001 (recorded, the other programs still run)
-                record(f"{name} raised", False, traceback.format_exc()[-3000:])
-                if name in ("raise", "kill", "stall"):
-                    raise
-    finally:
-        (out / f"rank{RANK}.json").write_text(json.dumps(CHECKS, indent=1))
+    run_programs(PROGRAMS, programs, out, reraise=("raise", "kill", "stall"))
     dist.destroy_process_group()
 
 

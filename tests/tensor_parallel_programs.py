@@ -29,7 +29,7 @@ from optimum_neuron_torch.device import mem_get_info
 from optimum_neuron_torch.loading import default_model_path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from distributed_programs import CHECKS, CURRENT, check, check_raises, record  # noqa: E402
+from distributed_programs import check, check_raises, record, run_programs  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -228,15 +228,7 @@ PROGRAMS = {name[len("program_"):]: value for name, value in globals().items() i
 def main() -> None:
     out, programs = Path(sys.argv[1]), sys.argv[3:]
     warnings.simplefilter("ignore")
-    try:
-        for name in programs:
-            CURRENT["program"] = name
-            try:
-                PROGRAMS[name]()
-            except Exception:  # noqa: BLE001 (recorded, the other programs still run)
-                record(f"{name} raised", False, traceback.format_exc()[-3000:])
-    finally:
-        (out / f"rank{RANK}.json").write_text(json.dumps(CHECKS, indent=1))
+    run_programs(PROGRAMS, programs, out)
     if dist.is_initialized() and "killed" not in programs:
         dist.destroy_process_group()
 

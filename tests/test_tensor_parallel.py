@@ -24,10 +24,7 @@ from tiny_models import TENSOR_PARALLEL_MODELS, TINY_MODELS
 PROGRAMS = Path(__file__).with_name("tensor_parallel_programs.py")
 EXAMPLE = Path(__file__).parent.parent / "examples" / "tensor_parallel.py"
 COMPILE_CACHE: Path  # one per test module: the jobs, the commands and the example share their compiled graphs
-# Every architecture the issue names at 2 ranks; at 4, the dense family and the MoE (the others differ from Llama
-# only in what 2 ranks already check, and each costs a compile on every rank).
-TWO_RANKS = tuple(TENSOR_PARALLEL_MODELS)
-FOUR_RANKS = ("llama", "qwen3", "gemma3", "qwen3_moe")
+ARCHITECTURES = tuple(TENSOR_PARALLEL_MODELS)  # each checked at 2 and at 4 ranks
 
 
 def job_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -47,8 +44,8 @@ def _compile_cache(tmp_path_factory):
     COMPILE_CACHE = tmp_path_factory.mktemp("compiled")
 
 
-def _models(folder: Path, names: tuple[str, ...]) -> Path:
-    for name in names:
+def _models(folder: Path) -> Path:
+    for name in ARCHITECTURES:
         TENSOR_PARALLEL_MODELS[name].save(folder / name)
     TENSOR_PARALLEL_MODELS["llama"].save_with_tokenizer(folder / "_with_tokenizer")
     TINY_MODELS["gpt2"].save(folder / "_gpt2")
@@ -60,13 +57,13 @@ def _models(folder: Path, names: tuple[str, ...]) -> Path:
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[list[dict]]:
-    models = _models(tmp_path_factory.mktemp("models2"), TWO_RANKS)
+    models = _models(tmp_path_factory.mktemp("models2"))
     return run_programs(tmp_path_factory.mktemp("two_ranks"), models, 2, "models", "errors", "save", "pipeline")
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory) -> list[list[dict]]:
-    models = _models(tmp_path_factory.mktemp("models4"), FOUR_RANKS)
+    models = _models(tmp_path_factory.mktemp("models4"))
     return run_programs(tmp_path_factory.mktemp("four_ranks"), models, 4, "models", "errors")
 
 
@@ -85,14 +82,14 @@ def test_four_ranks(four_ranks, program):
     assert not failures(four_ranks, program)
 
 
-@pytest.mark.parametrize("world, names", [(2, TWO_RANKS), (4, FOUR_RANKS)])
-def test_every_architecture_fully_checked(two_ranks, four_ranks, world, names):
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_architecture_fully_checked(two_ranks, four_ranks, world):
     checks = two_ranks if world == 2 else four_ranks
     assert len(checks) == world and all(checks)
     expected = _checked(checks, "llama")
     assert {"logits", "compiled greedy tokens", "no compile after warm-up", "sampled tokens identical on every rank",
             "device memory is this rank's share plus the replicated tensors"} <= expected
-    for name in names:
+    for name in ARCHITECTURES:
         assert _checked(checks, name) == expected, name
 
 

@@ -4,20 +4,14 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 from .. import settings
 
 
-def under_launcher() -> bool:
-    """Whether this process is one rank of a job that a launcher (`torchrun`) started."""
-    return settings.WORLD_SIZE_ENV in os.environ
-
-
 def is_first_rank() -> bool:
     """Whether this process speaks for the job: rank 0, or the only process."""
-    return int(os.environ.get("RANK", "0")) == 0
+    return settings.launcher_rank() == 0
 
 
 def launch(processes: int, arguments: list[str]) -> int:

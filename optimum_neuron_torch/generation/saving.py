@@ -31,7 +31,7 @@ from .buckets import Buckets
 from .compiled_generation import COMPILE_CONFIG, CompiledGeneration
 from .tensor_parallel import gather_keys, tensor_parallel_mesh
 
-TORCH_CACHE_ARTIFACTS = "torch_cache_artifacts.bin"
+TORCH_CACHE_ARTIFACTS = "torch_cache_artifacts"
 
 
 def save(generation: CompiledGeneration, folder: Path) -> None:
@@ -51,7 +51,7 @@ def save(generation: CompiledGeneration, folder: Path) -> None:
     if mesh is not None:
         dist.barrier(group=mesh.get_group())  # (the folder is emptied before any rank writes into it)
     if backend_info().name == "torchneuron":
-        spec["torch_cache_artifacts"] = _save_torch_cache_artifacts(folder, _rank_suffix(mesh))
+        spec["torch_cache_artifacts"] = _save_torch_cache_artifacts(folder / _artifacts_file(mesh))
     else:
         cache = CompileCache()
         entries = [entry for entry in map(cache.get, sorted(generation.cache_keys)) if entry is not None]
@@ -62,24 +62,26 @@ def save(generation: CompiledGeneration, folder: Path) -> None:
         (folder / NEURON_GENERATION_NAME).write_text(json.dumps(spec, indent=2) + "\n")
 
 
-def _rank_suffix(mesh: DeviceMesh | None) -> str:
-    """The part of a per-rank file name that names the rank ("" on one device)."""
-    return "" if mesh is None else f".rank{mesh.get_local_rank()}"
+def _artifacts_file(mesh: DeviceMesh | None) -> str:
+    """Where TorchNeuron's compiled artifacts go in a saved folder: one file, or one per rank."""
+    rank = "" if mesh is None else f".rank{mesh.get_local_rank()}"
+    return f"{NEURON_COMPILED_DIR}/{TORCH_CACHE_ARTIFACTS}{rank}.bin"
 
 
-def _save_torch_cache_artifacts(folder: Path, suffix: str) -> dict[str, int]:
+def _save_torch_cache_artifacts(path: Path) -> dict[str, int]:
     """TorchNeuron: the process's compiled artifacts through torch's MegaCache; {artifact type: count}."""
     serialized = torch.compiler.save_cache_artifacts()
     if serialized is None:
         warnings.warn(
-            f"TorchNeuron recorded no compiled artifacts in this process, so {folder} holds no compiled graphs: they "
-            "will be compiled on first use. Call model.precompile() before save_pretrained() to include them.",
+            f"TorchNeuron recorded no compiled artifacts in this process, so {path.parent.parent} holds no compiled "
+            "graphs: they will be compiled on first use. Call model.precompile() before save_pretrained() to include "
+            "them.",
             stacklevel=4,
         )
         return {}
     data, info = serialized
-    (folder / NEURON_COMPILED_DIR).mkdir(parents=True, exist_ok=True)
-    (folder / NEURON_COMPILED_DIR / f"{TORCH_CACHE_ARTIFACTS}{suffix}").write_bytes(data)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
     return {kind: len(keys) for kind, keys in sorted(info.artifacts.items())}
 
 
@@ -103,7 +105,7 @@ def restore(folder: Path, model: PreTrainedModel) -> Buckets | None:
             "compiled again on first use. Call model.precompile() to compile them all now.", stacklevel=3,
         )
         return buckets
-    artifacts = folder / NEURON_COMPILED_DIR / f"{TORCH_CACHE_ARTIFACTS}{_rank_suffix(mesh)}"
+    artifacts = folder / _artifacts_file(mesh)
     if artifacts.is_file() and backend_info().name == "torchneuron":
         torch.compiler.load_cache_artifacts(artifacts.read_bytes())  # TorchNeuron puts the NEFFs in its cache
     cache = CompileCache()

@@ -23,12 +23,6 @@ def tensor_parallel_mesh(model: PreTrainedModel) -> DeviceMesh | None:
     return None
 
 
-def tensor_parallel_size(model: PreTrainedModel) -> int:
-    """How many ranks the model is split between (1 on one device)."""
-    mesh = tensor_parallel_mesh(model)
-    return 1 if mesh is None else mesh.size()
-
-
 def share_random_state(mesh: DeviceMesh) -> None:
     """Gives every rank of `mesh` the random states of its first rank, the `neuron` device's and the
     CPU's (ops that fall back to the CPU, sampling among them, draw from it), so that sampling

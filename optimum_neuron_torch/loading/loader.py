@@ -167,7 +167,7 @@ def release(model: torch.nn.Module) -> None:
 def _progress(total: int, name: str) -> hub_tqdm:
     quiet = dist.is_initialized() and dist.get_rank() != 0  # one bar for a job of several ranks, not one per rank
     return hub_tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"Loading {name}", leave=False,
-                    disable=True if quiet else None)
+                    disable=quiet)
 
 
 def stream_into(model: PreTrainedModel, plan: _Plan, device: torch.device, name: str) -> None:

@@ -18,6 +18,7 @@ from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.models.auto.auto_factory import _BaseAutoModelClass, _get_model_class
 from transformers.utils.generic import ContextManagers
 
+from .. import settings
 from ..errors import ArgumentTypeError, ConfigurationError, UnsupportedModelError
 from . import tensor_parallel
 from .checkpoint import GENERATION_CONFIG_NAME, Checkpoint, resolve_checkpoint
@@ -123,7 +124,7 @@ def load_pretrained(
     if parallel is None:
         checkpoint = resolve(offline=False)
     else:  # one download per host: its first rank downloads, the others then find the files in the cache
-        first_on_host = tensor_parallel.local_rank() == 0
+        first_on_host = settings.launcher_local_rank() == 0
         found = together("resolving the checkpoint", lambda: resolve(offline=False) if first_on_host else None)
         checkpoint = together("resolving the checkpoint", lambda: found or resolve(offline=True))
     config, unused = AutoConfig.from_pretrained(

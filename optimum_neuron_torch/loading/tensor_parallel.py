@@ -13,7 +13,6 @@ every rank fail, naming the rank and the cause, when one rank does.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -67,18 +66,6 @@ def distributed_config(
     return config if config.tp_size > 1 else None
 
 
-def world_size() -> int:
-    """The number of processes of the job (the launcher's `WORLD_SIZE`, else the process group's)."""
-    if dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get(settings.WORLD_SIZE_ENV, "1"))
-
-
-def local_rank() -> int:
-    """This process's rank on its host (the launcher's `LOCAL_RANK`; 0 without a launcher)."""
-    return int(os.environ.get(settings.LOCAL_RANK_ENV, "0"))
-
-
 def start(config: DistributedConfig) -> Any:
     """Starts the job's `neuron` process group (unless the script did) and Transformers' device
     mesh; returns the mesh manager `maybe_distribute_model` takes.
@@ -86,7 +73,7 @@ def start(config: DistributedConfig) -> Any:
     Raises:
         ConfigurationError: the job's number of processes differs from `tp_size`.
     """
-    processes = world_size()
+    processes = dist.get_world_size() if dist.is_initialized() else settings.launcher_world_size()
     if processes != config.tp_size:
         raise ConfigurationError(
             f"tp_size={config.tp_size} asks for {config.tp_size} ranks but this job has {processes} process(es) "
@@ -94,7 +81,7 @@ def start(config: DistributedConfig) -> Any:
             f"tp_size={processes}."
         )
     if not dist.is_initialized():
-        torch.neuron.set_device(local_rank())
+        torch.neuron.set_device(settings.launcher_local_rank())
         dist.init_process_group("neuron", timeout=timedelta(seconds=settings.distributed_timeout()))
     _, _, mesh_manager = PreTrainedModel.prepare_distribute_model(config)
     return mesh_manager

@@ -105,10 +105,11 @@ class GenerateCommand(_LibraryCommand):
 
     def execute(self) -> int:
         from optimum_neuron_torch.commands.generate import generate, read_prompt
-        from optimum_neuron_torch.commands.launch import launch, under_launcher
+        from optimum_neuron_torch.commands.launch import launch
+        from optimum_neuron_torch.settings import launched
 
         args = self.args
-        if args.tp_size > 1 and not under_launcher():  # the ranks get the prompt read here (stdin is ours)
+        if args.tp_size > 1 and not launched():  # the ranks get the prompt read here (stdin is ours)
             prompt = [] if args.prompt is not None else ["--", read_prompt(None)]
             return launch(args.tp_size, [*sys.argv[1:], *prompt])
         generate(args.model, args.prompt, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
@@ -166,9 +167,10 @@ class CompileCommand(_LibraryCommand):
 
     def execute(self) -> int:
         from optimum_neuron_torch.commands.compile import compile_model
-        from optimum_neuron_torch.commands.launch import launch, under_launcher
+        from optimum_neuron_torch.commands.launch import launch
+        from optimum_neuron_torch.settings import launched
 
-        if self.args.tp_size > 1 and not under_launcher():
+        if self.args.tp_size > 1 and not launched():
             return launch(self.args.tp_size, sys.argv[1:])
         compile_model(self.args.model, self.args.batch_sizes, self.args.prompt_buckets, self.args.max_length,
                       self.args.save, self.args.tp_size)
