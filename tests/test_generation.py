@@ -11,7 +11,8 @@ import warnings
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast, TextStreamer
+from transformers import AutoModelForCausalLM, CpmAntConfig, MambaConfig, PreTrainedTokenizerFast, TextStreamer
+from transformers.generation.streamers import BaseStreamer
 
 from optimum_neuron_torch import NeuronAutoModelForCausalLM
 from optimum_neuron_torch.generation import Buckets, disable_compiled_generation, enable_compiled_generation
@@ -267,3 +268,54 @@ def test_left_padding_with_and_without_a_mask_matches_eager(name, fresh_dynamo):
     assert (model.generate(ids.to("neuron"), attention_mask=mask.to("neuron"), **settings).cpu().tolist()
             == with_mask.tolist())
     assert model.generate(ids.to("neuron"), **settings).cpu().tolist() == without_mask.tolist()
+
+
+class RecordingStreamer(BaseStreamer):
+    def __init__(self) -> None:
+        self.puts: list[list[int]] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("config", [
+    # Data-dependent branching in forward (Dynamo cannot trace it in one graph).
+    CpmAntConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, dim_head=8, dim_ff=64, num_hidden_layers=2),
+    # A state-space model: Transformers' chunked prefill cannot size a cache of state-space layers only.
+    MambaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, state_size=8),
+], ids=["data-dependent-branch", "state-space"])
+def test_a_model_the_graphs_cannot_serve_generates_eagerly_with_one_warning(config, fresh_dynamo):
+    torch.manual_seed(0)
+    cpu = AutoModelForCausalLM.from_config(config).eval()
+    model = enable_compiled_generation(copy.deepcopy(cpu).to("neuron"), BUCKETS)
+    ids, settings = prompt(6), dict(max_new_tokens=5, min_new_tokens=5, **GREEDY)
+    expected = cpu.generate(ids, **settings)
+    streamer = RecordingStreamer()
+    with pytest.warns(UserWarning, match=rf"model type '{config.model_type}' \(its compiled forward fails with "
+                                         r".*What would make it compile: "):
+        generated = model.generate(ids.to("neuron"), streamer=streamer, **settings)
+    assert generated.cpu().tolist() == expected.tolist()
+    assert streamer.puts[0] == ids[0].tolist() and len(streamer.puts) == 1 + 5  # the prompt once, then each token
+    assert model.neuron_generation._caches == {}  # the static caches are released
+    assert model.neuron_generation.unservable[0].startswith(f"model type '{config.model_type}'")  # remembered
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # warned once only; eager from now on, no compile tried
+        frames = torch._dynamo.utils.counters["frames"]["total"]
+        assert model.generate(ids.to("neuron"), **settings).cpu().tolist() == expected.tolist()
+        assert torch._dynamo.utils.counters["frames"]["total"] == frames
+
+
+def test_a_bad_input_raises_its_own_error_and_the_model_still_generates_compiled(llama):
+    cpu, model = llama
+    too_large = torch.full((1, 4), VOCAB + 7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "does not run on the compiled graphs" warning
+        with pytest.raises((IndexError, RuntimeError)):
+            model.generate(too_large.to("neuron"), max_new_tokens=2, **GREEDY)
+        assert model.neuron_generation.unservable is None
+        ids = prompt(5)
+        assert model.generate(ids.to("neuron"), max_new_tokens=3, **GREEDY).cpu().tolist() == \
+            cpu.generate(ids, max_new_tokens=3, **GREEDY).tolist()

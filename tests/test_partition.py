@@ -15,6 +15,7 @@ from optimum_neuron_torch.compiler.partition import unsupported_by_construction
 from optimum_neuron_torch.errors import UnsupportedGraphError
 from optimum_neuron_torch.settings import COMPILE_CACHE_ENV as CACHE_ENV
 from optimum_neuron_torch.settings import DISABLE_GRAPH_SPLIT_ENV as DISABLE_SPLIT_ENV
+from testing_utils import run_python
 
 ZETA = FallbackNode("special_zeta", "torch._C._special.special_zeta",
                     "no StableHLO lowering for aten.special_zeta.other_scalar")
@@ -134,3 +135,37 @@ def test_data_dependent_shapes_and_float64_are_unsupported_by_construction():
     graph = _graph_of(lambda x: (x.double() * 2).float() + 1, x)
     reasons = {node.name: reason for node, reason in unsupported_by_construction(graph).items()}
     assert reasons == {"double": "float64 dtype", "mul": "float64 dtype", "float_1": "float64 dtype"}
+
+
+SHARED_ITEM_PROGRAM = """
+import resource, torch
+resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))  # without the check, memory grows without end
+import optimum_neuron_torch
+
+class IndexedByRouting(torch.nn.Module):
+    # Experts' weights indexed by a routing decision (MoE routers do it), and an op that does not lower.
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.router, self.weights = torch.nn.Linear(8, 4), torch.nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x):
+        chosen = self.weights[self.router(x).argmax(-1)]
+        return torch.einsum("bi,bio->bo", torch.special.zeta(x.abs() + 1.5, 2.0), chosen)
+
+model = IndexedByRouting().to("neuron")
+try:
+    torch.compile(model, backend="neuron", fullgraph=True, dynamic=False)(torch.randn(2, 8, device="neuron"))
+except Exception as error:
+    print(type(error).__name__, str(error))
+"""
+
+
+def test_a_graph_the_fx_partitioner_cannot_place_is_refused_with_the_nodes_named(tmp_path):
+    """An item taken from two nodes whose every user takes items of them (`weights[expert_ids]`)
+    sends torch.fx's partitioner into a loop without end; the split is refused instead."""
+    done = run_python(SHARED_ITEM_PROGRAM, env={CACHE_ENV: str(tmp_path)}, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "UnsupportedGraphError" in done.stdout and "cannot be split around them" in done.stdout
+    assert "node(s) chosen index one tensor by another" in done.stdout, done.stdout
+    assert "special_zeta" in done.stdout

@@ -196,7 +196,23 @@ class _Supported(OperatorSupportBase):
         self.unsupported = unsupported
 
     def is_node_supported(self, submodules: Any, node: torch.fx.Node) -> bool:
-        return _computes(node) and node not in self.unsupported
+        return (_computes(node) and node not in self.unsupported
+                and not _reads_unsupported_tuple(node, self.unsupported))
+
+
+def _item_sources(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """For an item-taking node (`operator.getitem`), its inputs whose every user takes an item of them."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return []
+    return [source for source in node.all_input_nodes
+            if all(user.op == "call_function" and user.target is operator.getitem for user in source.users)]
+
+
+def _reads_unsupported_tuple(node: torch.fx.Node, unsupported: dict[torch.fx.Node, str]) -> bool:
+    """Whether `node` takes an item of an unsupported node's tuple output (`topk(...)[0]`): it runs
+    eagerly with its producer. (Offered alone to the fx partitioner, such an item makes its
+    getitem-reassignment loop create a partition per pass, without end.)"""
+    return node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and node.args[0] in unsupported
 
 
 class CompiledPiece(torch.nn.Module):
@@ -226,6 +242,17 @@ def split(gm: torch.fx.GraphModule, unsupported: dict[torch.fx.Node, str],
             f"and {DISABLE_GRAPH_SPLIT_ENV}=1 "
             f"refuses to split it: {listed}. Rewrite or patch the model around these ops, keep them out of the "
             f"compiled region, or unset {DISABLE_GRAPH_SPLIT_ENV} to run them eagerly between compiled pieces."
+        )
+    shared_items = [node.name for node in gm.graph.nodes if len(_item_sources(node)) > 1]
+    if shared_items:
+        # torch.fx's partitioner moves an item to the partition of the node it is taken from, once per
+        # pass until nothing moves: an item taken from two such nodes (`weights[expert_ids]`) moves back
+        # and forth without end.
+        listed = "; ".join(f"node {item.node} ({item.op}): {item.reason}" for item in fallback)
+        raise UnsupportedGraphError(
+            f"This graph holds {len(fallback)} node(s) TorchNeuron's compiler cannot take ({listed}), and it cannot "
+            f"be split around them: node(s) {', '.join(shared_items)} index one tensor by another, which the "
+            "torch.fx partitioner cannot place. Rewrite or patch the model so that these ops lower."
         )
     partitioner = CapabilityBasedPartitioner(gm, _Supported(unsupported), allows_single_node_partition=True)
     order = {node: index for index, node in enumerate(gm.graph.nodes)}

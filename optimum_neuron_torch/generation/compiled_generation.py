@@ -10,12 +10,14 @@ length or `max_new_tokens`. Encoder-decoders run a compiled encoder per (batch, 
 a compiled decode step per (batch, prompt bucket); their first decoder step (one token, which
 fills the cross-attention cache) runs eagerly, because Transformers' chunked prefill, the path
 that would compile it, slices the encoder's attention mask as if it were the decoder's. What it
-cannot serve this way runs Transformers' eager `generate()`, with a warning once per reason.
+cannot serve this way runs Transformers' eager `generate()`, with a warning once per reason; so
+does, from its first call on, a model whose compiled path fails (see `CompiledGeneration._degrade`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -23,17 +25,26 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from tqdm.auto import tqdm
 from transformers import CompileConfig, EncoderDecoderCache, GenerationConfig, PreTrainedModel, StaticCache
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import (
+    LinearAttentionAndStaticFullAttentionLayer,
+    LinearAttentionAndStaticSlidingWindowAttentionLayer,
+    LinearAttentionCacheLayerMixin,
+    StaticLayer,
+    StaticSlidingWindowLayer,
+)
 from transformers.generation import GenerationMode, StoppingCriteriaList
 from transformers.masking_utils import create_masks_for_generate
 from transformers.modeling_outputs import BaseModelOutput
 
 from ..compiler.dynamo_backend import recording_cache_keys
+from ..errors import CollectiveError, InsufficientDeviceMemoryError, NeuronTorchError, RankFailedError, first_line
 from .buckets import Buckets
 from .padding import (
     PaddingRowsDone,
+    PromptStreamed,
     UnpaddedStreamer,
     default_attention_mask,
     fill_rows,
@@ -44,6 +55,11 @@ from .padding import (
 from .tensor_parallel import embeddings_without_padding_index, share_random_state, tensor_parallel_mesh
 
 COMPILE_CONFIG = CompileConfig(backend="neuron", fullgraph=True, dynamic=False, mode="default")
+# Logging calls Dynamo traces as no-ops in the compiled forward (they still log when run eagerly).
+# `warning_once` and `info_once` are the methods Transformers adds to `logging.Logger`.
+QUIET_WHILE_TRACED = {getattr(logging.Logger, name)
+                      for name in ("debug", "info", "warning", "warning_once", "info_once")
+                      if hasattr(logging.Logger, name)}
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 # Kwargs whose presence sends a call to Transformers' eager generate(), with why.
 UNSUPPORTED_KWARGS = {
@@ -86,6 +102,8 @@ class CompiledGeneration:
         self._compiled_forward: Callable[..., Any] | None = None
         self._compiled_encoder: Callable[..., Any] | None = None
         self._warned: set[str] = set()
+        # Why this model cannot generate compiled and what would change it, once a call found out.
+        self.unservable: tuple[str, str] | None = None
 
     @property
     def graph_budget(self) -> int:
@@ -142,22 +160,34 @@ class CompiledGeneration:
                                       return_dict=True)
 
     def _cache(self, batch: int, encoder_length: int) -> StaticCache | EncoderDecoderCache:
-        """The static cache of a batch bucket (and encoder bucket), allocated once, emptied per call."""
+        """The static cache of a batch bucket (and encoder bucket), allocated once, emptied per call.
+
+        Its layers are Transformers' static layers for the model's layer types (attention, linear
+        attention, state-space, hybrid). Layers whose shapes Transformers cannot tell in advance
+        (multi-head latent attention, convolution and recurrent states) are allocated by one eager
+        decode step of one token: were they allocated inside the first compiled call, the next call
+        would meet allocated layers and compile again."""
         key = (batch, encoder_length)
         if key not in self._caches:
             model = self.model
             config = model.config.get_text_config(decoder=True)
-            num_heads, head_dim = model._get_static_cache_init_shape()
             lengths = [self.buckets.max_length] + ([encoder_length] if self.encoder_decoder else [])
             caches = [StaticCache(config=config, max_cache_len=length) for length in lengths]
+            attention = any(getattr(layer, "supports_early_init", False) for layer in caches[0].layers)
+            init_shape = model._get_static_cache_init_shape() if attention else None  # (needs attention heads)
             for cache, length in zip(caches, lengths, strict=True):
-                # Sliding-window layers branch on a Python int that Dynamo specializes on (a new graph
-                # per step); a full layer under the model's sliding-window mask computes the same.
-                cache.layers = [StaticLayer(max_cache_len=length) if layer.is_sliding else layer
-                                for layer in cache.layers]
-                cache.early_initialization(batch_size=batch, num_heads=num_heads, head_dim=head_dim,
-                                           dtype=model.dtype, device=model.device)
-            self._caches[key] = EncoderDecoderCache(*caches) if len(caches) == 2 else caches[0]
+                cache.layers = [_without_sliding_window(layer, length) for layer in cache.layers]
+                if init_shape is not None:
+                    num_heads, head_dim = init_shape
+                    cache.early_initialization(batch_size=batch, num_heads=num_heads, head_dim=head_dim,
+                                               dtype=model.dtype, device=model.device)
+            cache = EncoderDecoderCache(*caches) if len(caches) == 2 else caches[0]
+            if not self.encoder_decoder and not all(_allocated(layer) for layer in cache.layers):
+                token = pad_token_id(model.generation_config, self._vocab_size)
+                ids = torch.full((batch, 1), token, dtype=torch.long, device=model.device)
+                with torch.no_grad():
+                    model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True)
+            self._caches[key] = cache
         cache = self._caches[key]
         cache.reset()
         return cache
@@ -174,15 +204,37 @@ class CompiledGeneration:
             share_random_state(mesh)
         if config.disable_compile:
             return transformers_generate(input_ids, generation_config, **kwargs)
-        shapes = self._plan(input_ids, config, kwargs)
-        if isinstance(shapes, str):
-            self._warn_once(shapes)
+        shapes = self._plan(input_ids, config, kwargs) if self.unservable is None else self.unservable
+        if not isinstance(shapes, _Shapes):
+            self._warn_once(*(shapes if isinstance(shapes, tuple) else (shapes,)))
             return transformers_generate(input_ids, generation_config, **kwargs)
-        call_kwargs = self._padded_call(input_ids, config, shapes, kwargs)
-        with self._serving():
-            output = transformers_generate(generation_config=generation_config, **call_kwargs)
+        call_kwargs: dict[str, Any] = {}
+        try:
+            call_kwargs = self._padded_call(input_ids, config, shapes, kwargs)
+            with self._serving():
+                output = transformers_generate(generation_config=generation_config, **call_kwargs)
+        except (torch.OutOfMemoryError, InsufficientDeviceMemoryError, RankFailedError, CollectiveError):
+            raise  # the device's or the job's state, not the model's: eager generation would not do better
+        except Exception as error:  # any failure of the compiled path: see `_degrade`
+            return self._degrade(error, transformers_generate, input_ids, generation_config, kwargs,
+                                 call_kwargs.get("streamer"))
         columns = 0 if self.encoder_decoder else shapes.padded - shapes.prompt
         return unpad(output, shapes.rows, columns, input_ids.device)
+
+    def _degrade(self, error: Exception, transformers_generate: Callable[..., Any], input_ids: torch.Tensor | None,
+                 generation_config: GenerationConfig | None, kwargs: dict[str, Any],
+                 streamer: UnpaddedStreamer | None) -> Any:
+        """After the compiled path failed with `error`: the same call through Transformers' eager
+        generate(). If that fails too, the error is the call's own (a bad input) and is raised as
+        eager generation raises it; if it succeeds, the model cannot generate compiled, and does
+        so eagerly from now on, with one warning that says why and what would change it."""
+        self._caches.clear()  # release the static caches (device memory)
+        if isinstance(streamer, UnpaddedStreamer) and not streamer.first:
+            kwargs = {**kwargs, "streamer": PromptStreamed(streamer.streamer)}  # (it has the prompt already)
+        output = transformers_generate(input_ids, generation_config, **kwargs)
+        self.unservable = _why_not_compiled(error, self.model)
+        self._warn_once(*self.unservable)
+        return output
 
     def _plan(self, input_ids: torch.Tensor | None, config: GenerationConfig, kwargs: dict[str, Any]) -> _Shapes | str:
         """The padded shapes of this call, or why it cannot run compiled."""
@@ -264,24 +316,27 @@ class CompiledGeneration:
     @contextlib.contextmanager
     def _serving(self) -> Iterator[None]:
         """While Transformers' generate() runs: its compiled call is ours, Dynamo may keep a graph
-        per bucket, the cache keys of the graphs used are recorded, and a split embedding has no
-        padding index (see `embeddings_without_padding_index`)."""
+        per bucket and traces logging calls as nothing (a model's `logger.warning_once` in forward
+        would otherwise break the graph), the cache keys of the graphs used are recorded, and a
+        split embedding has no padding index (see `embeddings_without_padding_index`)."""
         self.active = True
         try:
             with torch._dynamo.config.patch(recompile_limit=max(64, self.graph_budget),
-                                            accumulated_recompile_limit=max(256, self.graph_budget)), \
+                                            accumulated_recompile_limit=max(256, self.graph_budget),
+                                            ignore_logging_functions=QUIET_WHILE_TRACED), \
                     recording_cache_keys() as keys, embeddings_without_padding_index(self.model):
                 yield
         finally:
             self.active = False
             self.cache_keys |= keys
 
-    def _warn_once(self, reason: str) -> None:
+    def _warn_once(self, reason: str, remedy: str | None = None) -> None:
         if reason not in self._warned:
             self._warned.add(reason)
             warnings.warn(
                 f"generate() with {reason} does not run on the compiled neuron graphs: falling back to Transformers' "
-                "eager generate(), which compiles nothing and is much slower on Neuron.", stacklevel=4,
+                "eager generate(), which compiles nothing and is much slower on Neuron."
+                + (f" What would make it compile: {remedy}." if remedy else ""), stacklevel=4,
             )
 
     # precompile() ------------------------------------------------------------------------------
@@ -294,6 +349,47 @@ class CompiledGeneration:
             ids = torch.full((batch, length), token, dtype=torch.long, device=self.model.device)
             self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
                                 do_sample=False)
+
+
+def _why_not_compiled(error: Exception, model: PreTrainedModel) -> tuple[str, str]:
+    """What to tell the user when the compiled path of `model` failed with `error`: the reason,
+    and what would make the model compile."""
+    if isinstance(error, torch._dynamo.exc.BackendCompilerFailed):
+        error = error.inner_exception  # (what the compile backend raised)
+    if isinstance(error, torch._dynamo.exc.Unsupported):
+        remedy = ("Dynamo cannot trace the model's code in one graph; `optimum-cli neuron-torch check` shows "
+                  "where, and a model patch (optimum_neuron_torch.patches) can rewrite that code")
+    elif isinstance(error, torch._dynamo.exc.UserError | GuardOnDataDependentSymNode):
+        remedy = ("the model's code branches on, or sizes tensors by, tensor values; a model patch "
+                  "(optimum_neuron_torch.patches) that keeps the shapes static would make it compile")
+    elif isinstance(error, NeuronTorchError):
+        remedy = ("a model patch (optimum_neuron_torch.patches) that replaces the ops named by ops the "
+                  "compiler takes")
+    else:
+        remedy = ("the compiled path of this architecture needs a fix; `optimum-cli neuron-torch check` "
+                  "shows the failing step")
+    return (f"model type {model.config.model_type!r} (its compiled forward fails with {type(error).__name__}: "
+            f"{first_line(error)[:300]})", remedy)
+
+
+def _without_sliding_window(layer: Any, length: int) -> Any:
+    """The cache layer to use for `layer`: sliding-window layers branch on a Python int that Dynamo
+    specializes on (a new graph per step), so they become full layers of `length` slots, which the
+    model's sliding-window mask makes compute the same."""
+    if type(layer) is StaticSlidingWindowLayer:
+        return StaticLayer(max_cache_len=length)
+    if type(layer) is LinearAttentionAndStaticSlidingWindowAttentionLayer:
+        return LinearAttentionAndStaticFullAttentionLayer(max_cache_len=length,
+                                                          number_of_states=layer.number_of_states)
+    return layer
+
+
+def _allocated(layer: Any) -> bool:
+    """Whether a cache layer holds its tensors (layers without any, such as `DummyLayer`, do)."""
+    if isinstance(layer, LinearAttentionCacheLayerMixin) and not all(
+            layer.is_conv_states_initialized.values()) and not all(layer.is_recurrent_states_initialized.values()):
+        return False
+    return getattr(layer, "is_initialized", True)
 
 
 def _call(module: torch.nn.Module, **inputs: Any) -> Any:

@@ -93,3 +93,20 @@ class UnpaddedStreamer(BaseStreamer):
 
     def end(self) -> None:
         self.streamer.end()
+
+
+class PromptStreamed(BaseStreamer):
+    """A streamer that has received the prompt already: the prompt that a second generate() run
+    of the same call puts again is dropped."""
+
+    def __init__(self, streamer: BaseStreamer) -> None:
+        self.streamer, self.first = streamer, True
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.first:
+            self.first = False
+            return
+        self.streamer.put(value)
+
+    def end(self) -> None:
+        self.streamer.end()
