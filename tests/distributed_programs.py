@@ -375,7 +375,7 @@ def _tiny_llama():
 
 
 def program_fsdp() -> None:
-    """FSDP2 `fully_shard` of a tiny Llama: parameters equal one CPU process within 1e-5, and a sharded
+    """FSDP2 `fully_shard` of a tiny Llama: parameters equal one CPU process within 5e-5, and a sharded
     checkpoint saved and loaded with torch.distributed.checkpoint."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -403,7 +403,10 @@ def program_fsdp() -> None:
         optimizer.step()
     worst = max((p.full_tensor().cpu() - q.detach()).abs().max().item()
                 for p, q in zip(model.parameters(), reference.parameters(), strict=True))
-    check("FSDP2 parameters equal the CPU run within 1e-5", worst <= 1e-5, True)
+    # AdamW divides by sqrt(v): where a gradient is near zero, the last bits that the ranks' reduction order
+    # changes move the parameter by a visible fraction of the learning rate (measured: 1.01e-5 after 3 steps with
+    # torch 2.13.0; a sharding error moves parameters by ~1e-2).
+    check("FSDP2 parameters equal the CPU run within 5e-5", worst <= 5e-5, True)
 
     directory = Path(sys.argv[1]) / "fsdp_checkpoint"
     dcp.save(get_model_state_dict(model), checkpoint_id=str(directory))
