@@ -75,6 +75,9 @@ SIZES = {
 # Per-layer lists (`layer_types`, ...) of the default depth keep one layer of each kind, in order.
 PER_LAYER_LISTS = ("layer_types", "layers_block_type", "mlp_layer_types", "block_types", "indexer_types",
                    "no_rope_layers")
+# Special token ids past the tiny vocabulary move to its end, each to an id of its own.
+TOKEN_IDS = {"bos_token_id": VOCAB - 1, "eos_token_id": VOCAB - 2, "pad_token_id": VOCAB - 3,
+             "decoder_start_token_id": VOCAB - 4, "sep_token_id": VOCAB - 5}
 MULTIMODAL_SUBCONFIGS = ("vision_config", "audio_config", "vq_config", "audio_encoder_config")
 # Model types whose defaults need more than the rules above (each attribute the type's own).
 # Hybrid models whose default layer pattern, cut to the tiny depth, would keep no attention layer:
@@ -163,10 +166,10 @@ def _shrink(config, changes: dict) -> None:
     if isinstance(values.get("vocab_size"), int):
         config.vocab_size = VOCAB
         changes["vocab_size"] = VOCAB
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id"):
+        for name in TOKEN_IDS:
             value = values.get(name)
             if isinstance(value, int) and value >= VOCAB:
-                setattr(config, name, VOCAB - 1 - ("bos eos pad decoder sep".split().index(name.split("_")[0])))
+                setattr(config, name, TOKEN_IDS[name])
                 changes[name] = True
             elif isinstance(value, list) and any(token >= VOCAB for token in value):
                 setattr(config, name, [VOCAB - 2])
@@ -331,9 +334,14 @@ def sweep(types: list[str], jobs: int, timeout: float, progress: bool = True) ->
     return sorted(results, key=lambda result: result["type"])
 
 
+def runnable_on_cpu(result: dict) -> bool:
+    """Whether the type got past building its tiny config and generating on the CPU."""
+    return not (result.get("error") and result["error"]["stage"] in ("config", "cpu"))
+
+
 def status(result: dict) -> str:
     error = result.get("error")
-    if error and error["stage"] in ("config", "cpu"):
+    if not runnable_on_cpu(result):
         return f"{result['type']}: not runnable on the CPU at tiny size ({error['message']})"
     if error:
         return f"{result['type']}: FAILED at {error['stage']}: {error['message']}"
@@ -344,7 +352,7 @@ def status(result: dict) -> str:
 
 
 def summary(results: list[dict]) -> dict:
-    runnable = [r for r in results if not (r.get("error") and r["error"]["stage"] in ("config", "cpu"))]
+    runnable = [result for result in results if runnable_on_cpu(result)]
     return {
         "types": len(results),
         "runnable_on_cpu": len(runnable),
@@ -407,7 +415,7 @@ def render_table(data: dict) -> str:
     ]
     for result in data["results"]:
         error = result.get("error")
-        if error and error["stage"] in ("config", "cpu"):
+        if not runnable_on_cpu(result):
             lines.append(f"| {result['type']} | – | – | – | – | – | not runnable on the CPU at tiny size: "
                          f"{_cell(error['message'])} |")
             continue

@@ -196,8 +196,7 @@ class _Supported(OperatorSupportBase):
         self.unsupported = unsupported
 
     def is_node_supported(self, submodules: Any, node: torch.fx.Node) -> bool:
-        return (_computes(node) and node not in self.unsupported
-                and not _reads_unsupported_tuple(node, self.unsupported))
+        return _computes(node) and node not in self.unsupported
 
 
 def _item_sources(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -206,13 +205,6 @@ def _item_sources(node: torch.fx.Node) -> list[torch.fx.Node]:
         return []
     return [source for source in node.all_input_nodes
             if all(user.op == "call_function" and user.target is operator.getitem for user in source.users)]
-
-
-def _reads_unsupported_tuple(node: torch.fx.Node, unsupported: dict[torch.fx.Node, str]) -> bool:
-    """Whether `node` takes an item of an unsupported node's tuple output (`topk(...)[0]`): it runs
-    eagerly with its producer. (Offered alone to the fx partitioner, such an item makes its
-    getitem-reassignment loop create a partition per pass, without end.)"""
-    return node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) and node.args[0] in unsupported
 
 
 class CompiledPiece(torch.nn.Module):

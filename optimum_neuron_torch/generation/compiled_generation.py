@@ -204,9 +204,11 @@ class CompiledGeneration:
             share_random_state(mesh)
         if config.disable_compile:
             return transformers_generate(input_ids, generation_config, **kwargs)
-        shapes = self._plan(input_ids, config, kwargs) if self.unservable is None else self.unservable
-        if not isinstance(shapes, _Shapes):
-            self._warn_once(*(shapes if isinstance(shapes, tuple) else (shapes,)))
+        if self.unservable is not None:  # an earlier call found the compiled path failing, and warned
+            return transformers_generate(input_ids, generation_config, **kwargs)
+        shapes = self._plan(input_ids, config, kwargs)
+        if isinstance(shapes, str):
+            self._warn_once(shapes)
             return transformers_generate(input_ids, generation_config, **kwargs)
         call_kwargs: dict[str, Any] = {}
         try:
