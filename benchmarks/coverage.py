@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = ROOT / "docs" / "coverage.md"
 RESULTS = ROOT / "docs" / "coverage.json"
-DEFAULT_TIMEOUT = 100.0
+DEFAULT_TIMEOUT = 180.0
 MEMORY_LIMIT = 10 * 2**30  # address space of each type's process: a type that would exhaust the host fails alone
 PROMPT_LENGTH = 10
 NEW_TOKENS = 8

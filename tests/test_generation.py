@@ -11,7 +11,17 @@ import warnings
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models
-from transformers import AutoModelForCausalLM, CpmAntConfig, MambaConfig, PreTrainedTokenizerFast, TextStreamer
+from transformers import (
+    AutoModelForCausalLM,
+    CpmAntConfig,
+    FalconConfig,
+    GPTBigCodeConfig,
+    MambaConfig,
+    MBartConfig,
+    PreTrainedTokenizerFast,
+    TextStreamer,
+    TrOCRConfig,
+)
 from transformers.generation.streamers import BaseStreamer
 
 from optimum_neuron_torch import NeuronAutoModelForCausalLM
@@ -268,6 +278,75 @@ def test_left_padding_with_and_without_a_mask_matches_eager(name, fresh_dynamo):
     assert (model.generate(ids.to("neuron"), attention_mask=mask.to("neuron"), **settings).cpu().tolist()
             == with_mask.tolist())
     assert model.generate(ids.to("neuron"), **settings).cpu().tolist() == without_mask.tolist()
+
+
+def noisy_model(config) -> torch.nn.Module:
+    """A model of `config` on the CPU with noise on every weight (initialization leaves position
+    embeddings near zero, and norms at one, which would hide a shifted position)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.add_(0.1 * torch.randn(tensor.shape, generator=torch.Generator().manual_seed(0)))
+    return model
+
+
+def test_a_decoder_numbering_positions_by_cache_slot_keeps_its_prompt_length(fresh_dynamo):
+    """MBart's decoder (no position_ids: learned positions from the cache length) would see its
+    positions shifted by left padding: its prompts are not padded, a prefill graph per length."""
+    config = MBartConfig(vocab_size=VOCAB, d_model=32, decoder_layers=2, decoder_attention_heads=4,
+                         encoder_attention_heads=4, decoder_ffn_dim=64, max_position_embeddings=64, is_decoder=True,
+                         is_encoder_decoder=False)
+    cpu = noisy_model(config)
+    model = enable_compiled_generation(copy.deepcopy(cpu).to("neuron"), BUCKETS)
+    settings = dict(max_new_tokens=6, min_new_tokens=6, **GREEDY)
+    with pytest.warns(UserWarning, match="'mbart' numbers positions by cache slot") as caught:
+        for length in (5, 11, 5):
+            ids = prompt(length, seed=length)
+            assert model.generate(ids.to("neuron"), **settings).cpu().tolist() == \
+                cpu.generate(ids, **settings).tolist()
+    assert len([w for w in caught if "numbers positions" in str(w.message)]) == 1
+    assert not [w for w in caught if "does not run on the compiled" in str(w.message)]
+    assert graphs() == 3  # prefill 5, prefill 11, decode
+
+
+@pytest.mark.parametrize("config", [
+    GPTBigCodeConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=True),
+    FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                 multi_query=True,
+                 new_decoder_architecture=False),
+], ids=["gpt_bigcode", "falcon"])
+def test_multi_query_attention_generates_compiled(config, fresh_dynamo):
+    """One key/value head, where Transformers' early static-cache initialization would allocate one
+    per attention head: the cache is sized by the model's own first update instead."""
+    cpu = noisy_model(config)
+    model = enable_compiled_generation(copy.deepcopy(cpu).to("neuron"), BUCKETS)
+    ids, settings = prompt(7), dict(max_new_tokens=6, min_new_tokens=6, **GREEDY)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fall-back to eager generation
+        assert model.generate(ids.to("neuron"), **settings).cpu().tolist() == cpu.generate(ids, **settings).tolist()
+    assert model.neuron_generation.unservable is None
+
+
+def test_a_decoder_sizing_positions_by_the_cache_length_reads_it_as_a_scalar(fresh_dynamo):
+    """TrOCR computes positions as arange(length, length + n) from the cache's length, a tensor in a
+    static cache: a data-dependent size. The first compiled call finds it and generation retries
+    with the length read as a scalar (n is then static): same tokens, no warning, no graph per step."""
+    config = TrOCRConfig(vocab_size=VOCAB, d_model=32, decoder_layers=2, decoder_attention_heads=4,
+                         decoder_ffn_dim=64, max_position_embeddings=64)
+    cpu = noisy_model(config)
+    model = enable_compiled_generation(copy.deepcopy(cpu).to("neuron"), BUCKETS)
+    ids, settings = prompt(7), dict(max_new_tokens=6, min_new_tokens=6, **GREEDY)
+    streamer = RecordingStreamer()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generated = model.generate(ids.to("neuron"), streamer=streamer, **settings)
+    assert generated.cpu().tolist() == cpu.generate(ids, **settings).tolist()
+    assert not [w for w in caught if "does not run on the compiled" in str(w.message)]
+    assert model.neuron_generation.cache_length_as_scalar and model.neuron_generation.unservable is None
+    assert streamer.puts[0] == ids[0].tolist() and len(streamer.puts) == 1 + 6  # the prompt once, then each token
+    assert recompiles() == 0 and len(model.neuron_generation.cache_keys) >= 2
 
 
 class RecordingStreamer(BaseStreamer):

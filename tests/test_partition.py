@@ -169,3 +169,44 @@ def test_a_graph_the_fx_partitioner_cannot_place_is_refused_with_the_nodes_named
     assert "UnsupportedGraphError" in done.stdout and "cannot be split around them" in done.stdout
     assert "node(s) chosen index one tensor by another" in done.stdout, done.stdout
     assert "special_zeta" in done.stdout
+
+
+class CacheWriteThenRead(torch.nn.Module):
+    """A static cache's pattern around an op that splits the graph: write a row of the cache in
+    place, then attend over the whole cache (which reads the placeholder, not the write)."""
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        cache.index_copy_(0, position, x * 2)
+        return torch.special.zeta(cache * cache + 1.5, 2.0).sum(0) * x  # zeta splits the graph
+
+
+def test_a_split_graph_reads_a_tensor_after_its_in_place_write(cache):
+    """The partitioner orders nodes by their inputs alone: a read of the cache must still come
+    after the in-place write that precedes it in the graph."""
+    model = CacheWriteThenRead()
+    compiled = torch.compile(model, backend="neuron", fullgraph=True, dynamic=False)
+    x, position = torch.randn(1, 8), torch.tensor([2])
+    expected_cache = torch.zeros(4, 8)
+    expected = model(x, expected_cache, position)
+    device_cache = torch.zeros(4, 8, device="neuron")
+    with recording_partitions() as reports, pytest.warns(UserWarning, match="graph split"):
+        result = compiled(x.to("neuron"), device_cache, position.to("neuron"))
+    assert reports and reports[0].compiled_pieces >= 1
+    torch.testing.assert_close(device_cache.cpu(), expected_cache)
+    torch.testing.assert_close(result.cpu(), expected)
+
+
+def test_a_graph_reading_a_tensor_after_an_item_assignment_is_not_split(cache):
+    """`cache[position] = ...` writes in place and returns nothing a read could follow: splitting
+    such a graph could reorder the two, so it is refused (and generation degrades to eager)."""
+
+    def write_then_read(x, cache):
+        cache[2] = x * 2
+        return torch.special.zeta(cache * cache + 1.5, 2.0).sum(0) * x
+
+    compiled = torch.compile(write_then_read, backend="neuron", fullgraph=True, dynamic=False)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
+        compiled(torch.randn(8, device="neuron"), torch.zeros(4, 8, device="neuron"))
+    assert isinstance(raised.value.inner_exception, UnsupportedGraphError)
+    assert re.search(r"node\(s\) setitem write into a tensor in place without returning it",
+                     str(raised.value.inner_exception))

@@ -36,8 +36,18 @@ class OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
         dtypes = {leaf.dtype for leaf in tree_leaves(result) if isinstance(leaf, torch.Tensor)}
-        self.ops.append((func.overloadpacket.__name__, dtypes))
+        name = func.overloadpacket.__name__
+        if name == "topk" and not kwargs_or_position(args, kwargs, "sorted", 4, default=True):
+            name = "topk(sorted=False)"
+        self.ops.append((name, dtypes))
         return result
+
+
+def kwargs_or_position(args, kwargs, name, position, default):
+    """An op argument given by keyword or position."""
+    if kwargs and name in kwargs:
+        return kwargs[name]
+    return args[position] if len(args) > position else default
 
 
 def complex_tensors(ops) -> bool:
@@ -46,6 +56,14 @@ def complex_tensors(ops) -> bool:
 
 def float64_tensors(ops) -> bool:
     return any(torch.float64 in dtypes for _, dtypes in ops)
+
+
+def unsorted_topk(ops) -> bool:
+    return any(name == "topk(sorted=False)" for name, _ in ops)
+
+
+def triangular_solves(ops) -> bool:
+    return any(name == "linalg_solve_triangular" for name, _ in ops)
 
 
 def data_dependent_shapes(ops) -> bool:
@@ -93,10 +111,25 @@ CASES = {
                                                       kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
                                                       qk_nope_head_dim=8, v_head_dim=8, first_k_dense_replace=1,
                                                       experts_implementation="eager"),
-                        *CAUSAL, ["complex_rope", "static_moe_experts"], (complex_tensors, data_dependent_shapes)),
+                        *CAUSAL, ["complex_rope", "static_moe_experts", "sorted_topk"],
+                        (complex_tensors, data_dependent_shapes, unsorted_topk)),
     "mixtral": Case(transformers.MixtralConfig(**DECODER, num_local_experts=4, num_experts_per_tok=2,
                                                experts_implementation="eager"),
                     *CAUSAL, ["static_moe_experts"], (data_dependent_shapes,)),
+    # DeepSeek-V3: its router picks expert groups and experts with topk(sorted=False).
+    "deepseek_v3": Case(transformers.DeepseekV3Config(**{**DECODER, "num_key_value_heads": 4},
+                                                      moe_intermediate_size=16, n_routed_experts=8,
+                                                      num_experts_per_tok=2, n_group=4, topk_group=2,
+                                                      n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None,
+                                                      qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                                                      first_k_dense_replace=1),
+                        *CAUSAL, ["static_moe_experts", "sorted_topk"], (unsorted_topk,)),
+    # Qwen3.5: gated delta rule linear attention solves a unit lower-triangular system per chunk.
+    "qwen3_5_text": Case(transformers.Qwen3_5TextConfig(**DECODER, head_dim=8, layer_types=["linear_attention",
+                                                                                             "full_attention"],
+                                                         linear_key_head_dim=8, linear_num_key_heads=2,
+                                                         linear_num_value_heads=4, linear_value_head_dim=8),
+                         *CAUSAL, ["unit_triangular_solve"], (triangular_solves,)),
     # AIMv2 (native resolution): its sinusoidal position embedding is computed in float64 at every forward.
     "aimv2": Case(transformers.Aimv2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                                  num_attention_heads=4, image_size=32, patch_size=8, is_native=True),
@@ -245,3 +278,15 @@ def test_dense_embeddings_same_outputs_and_gradients_and_trains_on_neuron():
     assert model[0].sparse and model.neuron_patches == []
     with pytest.raises(NotImplementedError, match="Sparse"):  # why the patch exists: no sparse tensors on neuron
         embedding_gradient(model, "neuron")
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 64])
+def test_unit_triangular_solve_by_products_matches_the_solver(size):
+    """Every power of the strictly lower part counts up to size - 1 (a chunk of 64 fills them all)."""
+    from optimum_neuron_torch.patches.unit_triangular_solve import solve_unit_lower_triangular
+
+    generator = torch.Generator().manual_seed(size)
+    matrix = 0.3 * torch.randn(2, 3, size, size, generator=generator)
+    rhs = torch.randn(2, 3, size, 5, generator=generator)
+    expected = torch.linalg.solve_triangular(matrix, rhs, upper=False, unitriangular=True)
+    torch.testing.assert_close(solve_unit_lower_triangular(matrix, rhs), expected, rtol=1e-4, atol=1e-4)

@@ -80,10 +80,12 @@ def _inductor_cache_in(folder: Path) -> Iterator[None]:
 
 
 def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Path, options: dict[str, Any],
-                 *, strict_lowering: bool = False) -> dict[str, Any]:
+                 *, strict_lowering: bool = False, lowering_failure: str | None = None) -> dict[str, Any]:
     """Compiles `gm` with Inductor's C++ code generation for the device into `folder`; returns
     what the entry records about it. With `strict_lowering`, a graph that does not lower to
-    StableHLO raises `LoweringError` before anything is compiled (the backend then splits it)."""
+    StableHLO raises `LoweringError` before anything is compiled (the backend then splits it).
+    `lowering_failure`, when the caller already knows the graph does not lower, is that error
+    (lowering the graph again would only repeat it, at the cost of the slowest step of a compile)."""
     from torch._inductor import standalone_compile
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
@@ -91,7 +93,7 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
 
     metadata: dict[str, Any] = {}
     if stablehlo.available():
-        metadata["stablehlo"] = _lower_to_stablehlo(gm, example_inputs, folder, strict_lowering)
+        metadata["stablehlo"] = _lower_to_stablehlo(gm, example_inputs, folder, strict_lowering, lowering_failure)
     register()
     # Inductor probes which vector instruction sets the host compiler and CPU support by building a
     # small library per set, once per process, in its cache. Probed in its shared cache (not the
@@ -108,23 +110,28 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
     return metadata
 
 
-def _lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Path, strict: bool) -> str:
+def _lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Path, strict: bool,
+                        known_failure: str | None = None) -> str:
     """Writes the graph's StableHLO next to it; returns "ok", or the error (with a warning, or
     raised as `LoweringError` when `strict`). A graph that calls collectives is not checked: they
     have no Torch-MLIR lowering, and TorchNeuron lowers them itself."""
     called = stablehlo.collectives(gm)
     if called:
         return f"{NOT_CHECKED}: the graph calls collectives ({', '.join(called)}), which TorchNeuron lowers itself"
-    try:
-        (folder / STABLEHLO_FILE).write_text(stablehlo.lower(gm, example_inputs))
-        return LOWERS
-    except Exception as error:  # any failure of the check is its result, never a failed compile
-        message = f"{type(error).__name__}: {first_line(error)}"
-        if strict:
-            raise LoweringError(message) from error
-        warnings.warn(f"This graph does not lower to StableHLO, so TorchNeuron could not compile it ({message}). "
-                      "It runs on the reference device.", stacklevel=2)
-        return message
+    message = known_failure
+    if message is None:
+        try:
+            (folder / STABLEHLO_FILE).write_text(stablehlo.lower(gm, example_inputs))
+            return LOWERS
+        except Exception as error:  # any failure of the check is its result, never a failed compile
+            message = f"{type(error).__name__}: {first_line(error)}"
+            if strict:
+                raise LoweringError(message) from error
+    if strict:
+        raise LoweringError(message)
+    warnings.warn(f"This graph does not lower to StableHLO, so TorchNeuron could not compile it ({message}). "
+                  "It runs on the reference device.", stacklevel=2)
+    return message
 
 
 def lowering_failed(status: str) -> bool:

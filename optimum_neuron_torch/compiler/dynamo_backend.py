@@ -69,13 +69,16 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[
     """The graph compiled whole when TorchNeuron's compiler can take all of it, else split around
     the nodes it cannot take; compiled whole again (with the lowering warning) when no part is left."""
     unsupported = partition.unsupported_by_construction(gm)
+    lowering_failure = None
     if not unsupported:
         try:
             return compile_cached(gm, example_inputs, options, strict_lowering=True)
-        except LoweringError:
-            unsupported = partition.failing_to_lower(gm)
+        except LoweringError as error:
+            unsupported, lowering_failure = partition.failing_to_lower(gm), str(error)
     pieces = partition.split(gm, unsupported, lambda piece, inputs: compile_cached(piece, inputs, options))
-    return pieces if pieces is not None else compile_cached(gm, example_inputs, options)
+    if pieces is not None:
+        return pieces
+    return compile_cached(gm, example_inputs, options, lowering_failure=lowering_failure)
 
 
 _recorders: list[set[str]] = []
@@ -93,16 +96,18 @@ def recording_cache_keys() -> Iterator[set[str]]:
 
 
 def compile_cached(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any],
-                   *, strict_lowering: bool = False) -> Callable[..., Any]:
+                   *, strict_lowering: bool = False, lowering_failure: str | None = None) -> Callable[..., Any]:
     """The compiled graph from the cache, compiled and stored first when it is not there. With
-    `strict_lowering`, a graph known (or found) not to lower to StableHLO raises `LoweringError`."""
+    `strict_lowering`, a graph known (or found) not to lower to StableHLO raises `LoweringError`;
+    `lowering_failure` is how the graph already failed to lower, if it did (see `compile_into`)."""
     environment = artifact.compile_environment()
     key = graph_key(gm, example_inputs, environment, options)
     inputs = [list(value.shape) for value in example_inputs if isinstance(value, torch.Tensor)]
 
     def build(folder):
         logger.info("Compiling a graph for the neuron device (cache key %s)", key[:16])
-        compiled = artifact.compile_into(gm, example_inputs, folder, options, strict_lowering=strict_lowering)
+        compiled = artifact.compile_into(gm, example_inputs, folder, options, strict_lowering=strict_lowering,
+                                         lowering_failure=lowering_failure)
         return {"environment": environment, "input_shapes": inputs, **compiled}
 
     start = time.perf_counter()

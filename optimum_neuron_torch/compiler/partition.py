@@ -207,6 +207,40 @@ def _item_sources(node: torch.fx.Node) -> list[torch.fx.Node]:
             if all(user.op == "call_function" and user.target is operator.getitem for user in source.users)]
 
 
+def _order_reads_after_writes(gm: torch.fx.GraphModule) -> list[str]:
+    """Makes every read of a tensor that follows an in-place write into it (`keys.index_copy_(...)`
+    of a static cache) read the write's result instead, which is the same tensor: the partitioner
+    orders nodes by their inputs only, and would otherwise be free to put the read first. Returns
+    the names of in-place writes that return nothing to read (`operator.setitem`) and are followed
+    by a read of their tensor: those cannot be ordered this way."""
+    unordered = []
+    position = {node: index for index, node in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        target = node.args[0] if node.op in ("call_function", "call_method") and node.args else None
+        if not isinstance(target, torch.fx.Node):
+            continue
+        later = [user for user in target.users if position[user] > position[node]]
+        if node.op == "call_function" and node.target is operator.setitem:
+            if later:
+                unordered.append(node.name)
+        elif _writes_in_place(node):
+            for user in later:
+                user.replace_input_with(target, node)
+    gm.recompile()
+    return unordered
+
+
+def _writes_in_place(node: torch.fx.Node) -> bool:
+    """Whether `node` writes into its first argument in place and returns it (`Tensor.index_copy_`,
+    `aten.add_.Tensor`...)."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.startswith("__")
+    if isinstance(node.target, torch._ops.OpOverload):
+        arguments = node.target._schema.arguments
+        return bool(arguments) and arguments[0].alias_info is not None and arguments[0].alias_info.is_write
+    return False
+
+
 class CompiledPiece(torch.nn.Module):
     """A compiled supported part of a split graph, called in its parent graph like the submodule it replaces."""
 
@@ -245,6 +279,15 @@ def split(gm: torch.fx.GraphModule, unsupported: dict[torch.fx.Node, str],
             f"This graph holds {len(fallback)} node(s) TorchNeuron's compiler cannot take ({listed}), and it cannot "
             f"be split around them: node(s) {', '.join(shared_items)} index one tensor by another, which the "
             "torch.fx partitioner cannot place. Rewrite or patch the model so that these ops lower."
+        )
+    unordered = _order_reads_after_writes(gm)
+    if unordered:
+        listed = "; ".join(f"node {item.node} ({item.op}): {item.reason}" for item in fallback)
+        raise UnsupportedGraphError(
+            f"This graph holds {len(fallback)} node(s) TorchNeuron's compiler cannot take ({listed}), and it cannot "
+            f"be split around them: node(s) {', '.join(unordered)} write into a tensor in place without returning "
+            "it, so a split could read the tensor before the write. Rewrite or patch the model so that these ops "
+            "lower."
         )
     partitioner = CapabilityBasedPartitioner(gm, _Supported(unsupported), allows_single_node_partition=True)
     order = {node: index for index, node in enumerate(gm.graph.nodes)}

@@ -6,17 +6,21 @@ to a batch bucket and a prompt bucket and given one static KV cache of fixed len
 bucket, and every forward of the loop goes through one compiled function: prefill as Transformers'
 chunked prefill with the bucket as chunk size, then one decode step at a time. So the graphs are
 one per (batch bucket, prompt bucket) plus one decode graph per batch bucket, whatever the prompt
-length or `max_new_tokens`. Encoder-decoders run a compiled encoder per (batch, prompt bucket) and
-a compiled decode step per (batch, prompt bucket); their first decoder step (one token, which
-fills the cross-attention cache) runs eagerly, because Transformers' chunked prefill, the path
-that would compile it, slices the encoder's attention mask as if it were the decoder's. What it
-cannot serve this way runs Transformers' eager `generate()`, with a warning once per reason; so
-does, from its first call on, a model whose compiled path fails (see `CompiledGeneration._degrade`).
+length or `max_new_tokens`. (Decoders whose outputs left padding would change, those that number
+positions by cache slot or carry a state from token to token, keep their prompts' lengths: each
+prompt length compiles a prefill graph of its own.) Encoder-decoders run a compiled encoder per
+(batch, prompt bucket) and a compiled decode step per (batch, prompt bucket); their first decoder
+step (one token, which fills the cross-attention cache) runs eagerly, because Transformers'
+chunked prefill, the path that would compile it, slices the encoder's attention mask as if it
+were the decoder's. What it cannot serve this way runs Transformers' eager `generate()`, with a
+warning once per reason; so does, from its first call on, a model whose compiled path fails (see
+`CompiledGeneration._degrade`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import warnings
 import weakref
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
 from tqdm.auto import tqdm
 from transformers import CompileConfig, EncoderDecoderCache, GenerationConfig, PreTrainedModel, StaticCache
 from transformers.cache_utils import (
@@ -95,6 +99,8 @@ class CompiledGeneration:
     def __init__(self, model: PreTrainedModel, buckets: Buckets) -> None:
         self._model = weakref.ref(model)  # the model holds this object: no cycle, so it frees on `del`
         self.encoder_decoder: bool = model.config.is_encoder_decoder
+        # Why left padding would change this decoder's outputs, if it would (see `_why_padding_changes_outputs`).
+        self.unpadded_prompts: str | None = None if self.encoder_decoder else _why_padding_changes_outputs(model)
         self.buckets = buckets
         self.cache_keys: set[str] = set()  # compile-cache entries of this model's graphs
         self.active = False  # inside a compiled generate(): get_compiled_call() answers with `forward`
@@ -104,6 +110,9 @@ class CompiledGeneration:
         self._warned: set[str] = set()
         # Why this model cannot generate compiled and what would change it, once a call found out.
         self.unservable: tuple[str, str] | None = None
+        # Whether the cache's length reaches the model's code as a scalar rather than a tensor (see
+        # `_scalar_cache_length`): set when a call found its tensor sizing the model's tensors.
+        self.cache_length_as_scalar = False
 
     @property
     def graph_budget(self) -> int:
@@ -164,9 +173,9 @@ class CompiledGeneration:
 
         Its layers are Transformers' static layers for the model's layer types (attention, linear
         attention, state-space, hybrid). Layers whose shapes Transformers cannot tell in advance
-        (multi-head latent attention, convolution and recurrent states) are allocated by one eager
-        decode step of one token: were they allocated inside the first compiled call, the next call
-        would meet allocated layers and compile again."""
+        (multi-head latent attention, multi-query attention, convolution and recurrent states) are
+        allocated by one eager decode step of one token: were they allocated inside the first
+        compiled call, the next call would meet allocated layers and compile again."""
         key = (batch, encoder_length)
         if key not in self._caches:
             model = self.model
@@ -174,7 +183,8 @@ class CompiledGeneration:
             lengths = [self.buckets.max_length] + ([encoder_length] if self.encoder_decoder else [])
             caches = [StaticCache(config=config, max_cache_len=length) for length in lengths]
             attention = any(getattr(layer, "supports_early_init", False) for layer in caches[0].layers)
-            init_shape = model._get_static_cache_init_shape() if attention else None  # (needs attention heads)
+            early = attention and not _heads_differ_from_config(config)
+            init_shape = model._get_static_cache_init_shape() if early else None
             for cache, length in zip(caches, lengths, strict=True):
                 cache.layers = [_without_sliding_window(layer, length) for layer in cache.layers]
                 if init_shape is not None:
@@ -187,6 +197,8 @@ class CompiledGeneration:
                 ids = torch.full((batch, 1), token, dtype=torch.long, device=model.device)
                 with torch.no_grad():
                     model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True)
+            if self.cache_length_as_scalar:
+                _scalar_cache_length(cache.self_attention_cache if self.encoder_decoder else cache)
             self._caches[key] = cache
         cache = self._caches[key]
         cache.reset()
@@ -218,8 +230,13 @@ class CompiledGeneration:
         except (torch.OutOfMemoryError, InsufficientDeviceMemoryError, RankFailedError, CollectiveError):
             raise  # the device's or the job's state, not the model's: eager generation would not do better
         except Exception as error:  # any failure of the compiled path: see `_degrade`
-            return self._degrade(error, transformers_generate, input_ids, generation_config, kwargs,
-                                 call_kwargs.get("streamer"))
+            streamer = call_kwargs.get("streamer")
+            if not self.cache_length_as_scalar and _sizes_by_cache_length(error):
+                self.cache_length_as_scalar = True  # (see `_scalar_cache_length`) and once more
+                self._caches.clear()
+                return self.generate(transformers_generate, input_ids, generation_config,
+                                     **_prompt_streamed(kwargs, streamer))
+            return self._degrade(error, transformers_generate, input_ids, generation_config, kwargs, streamer)
         columns = 0 if self.encoder_decoder else shapes.padded - shapes.prompt
         return unpad(output, shapes.rows, columns, input_ids.device)
 
@@ -231,9 +248,7 @@ class CompiledGeneration:
         eager generation raises it; if it succeeds, the model cannot generate compiled, and does
         so eagerly from now on, with one warning that says why and what would change it."""
         self._caches.clear()  # release the static caches (device memory)
-        if isinstance(streamer, UnpaddedStreamer) and not streamer.first:
-            kwargs = {**kwargs, "streamer": PromptStreamed(streamer.streamer)}  # (it has the prompt already)
-        output = transformers_generate(input_ids, generation_config, **kwargs)
+        output = transformers_generate(input_ids, generation_config, **_prompt_streamed(kwargs, streamer))
         self.unservable = _why_not_compiled(error, self.model)
         self._warn_once(*self.unservable)
         return output
@@ -267,9 +282,13 @@ class CompiledGeneration:
             if not padded:
                 return (f"an encoder input of {prompt} tokens, above the largest prompt bucket "
                         f"({self.buckets.prompt_buckets[-1]}); add a bucket with model.precompile(prompt_buckets=...)")
-        else:
+        elif self.unpadded_prompts is None:
             padded, chunk = self.buckets.prompt_shape_for(prompt)
             needed = padded + new_tokens
+        else:
+            padded, chunk = prompt, min(prompt, self.buckets.prompt_buckets[-1])
+            needed = padded + new_tokens
+            self._note_unpadded_prompts()
         if needed > self.buckets.max_length:
             return (f"{needed} cache positions (prompt padded to {padded}, {new_tokens} new tokens) "
                     "where the KV cache holds "
@@ -325,12 +344,21 @@ class CompiledGeneration:
         try:
             with torch._dynamo.config.patch(recompile_limit=max(64, self.graph_budget),
                                             accumulated_recompile_limit=max(256, self.graph_budget),
-                                            ignore_logging_functions=QUIET_WHILE_TRACED), \
+                                            ignore_logging_functions=QUIET_WHILE_TRACED,
+                                            capture_scalar_outputs=self.cache_length_as_scalar), \
                     recording_cache_keys() as keys, embeddings_without_padding_index(self.model):
                 yield
         finally:
             self.active = False
             self.cache_keys |= keys
+
+    def _note_unpadded_prompts(self) -> None:
+        message = (f"model type {self.model.config.model_type!r} {self.unpadded_prompts}, so padding a prompt to "
+                   "a bucket would change its outputs: prompts are not padded, and each new prompt length compiles "
+                   "a prefill graph of its own.")
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(message, stacklevel=5)
 
     def _warn_once(self, reason: str, remedy: str | None = None) -> None:
         if reason not in self._warned:
@@ -384,6 +412,65 @@ def _without_sliding_window(layer: Any, length: int) -> Any:
         return LinearAttentionAndStaticFullAttentionLayer(max_cache_len=length,
                                                           number_of_states=layer.number_of_states)
     return layer
+
+
+def _sizes_by_cache_length(error: BaseException) -> bool:
+    """Whether a compiled forward failed because the model sizes or branches on the cache's length,
+    which a static cache holds as a tensor (Dynamo then meets data-dependent sizes)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, GuardOnDataDependentSymNode | PendingUnbackedSymbolNotFound):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _scalar_cache_length(cache: StaticCache) -> None:
+    """Makes this cache instance's `get_seq_length()` a scalar read from the device (Dynamo traces it
+    as one symbolic size) instead of the layer's length tensor: positions a model computes as
+    `arange(length, length + n)` then have the static size n, which tensors' values could not give.
+    Each call reads the length from the device, which splits the graph there."""
+
+    def get_seq_length(layer_idx: int = 0) -> int:
+        length = cache.layers[layer_idx].get_seq_length()
+        return int(length.item()) if isinstance(length, torch.Tensor) else length
+
+    cache.get_seq_length = get_seq_length
+
+
+def _prompt_streamed(kwargs: dict[str, Any], streamer: UnpaddedStreamer | None) -> dict[str, Any]:
+    """`kwargs` for generating again after a compiled call failed, its streamer told that it has
+    the prompt already if the failed call streamed it."""
+    if isinstance(streamer, UnpaddedStreamer) and not streamer.first:
+        return {**kwargs, "streamer": PromptStreamed(streamer.streamer)}
+    return kwargs
+
+
+def _why_padding_changes_outputs(model: PreTrainedModel) -> str | None:
+    """Why left padding (masked pad tokens before the prompt) would change a decoder's outputs, or
+    None: layers that carry a state from token to token (linear attention, convolutions, state
+    spaces) take the pad tokens into it, and a forward without `position_ids` numbers positions by
+    cache slot (learned or sinusoidal positions from the cache length, ALiBi without a mask)."""
+    try:
+        layers = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=1).layers
+    except Exception:  # a config Transformers cannot build a static cache for: the first call degrades
+        layers = []
+    if any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers):
+        return "carries a state from token to token (linear attention, convolution or state-space layers)"
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        return "numbers positions by cache slot (its forward takes no position_ids)"
+    return None
+
+
+def _heads_differ_from_config(config: Any) -> bool:
+    """Whether the cache's key/value heads may differ from the `(num_key_value_heads, head_dim)`
+    Transformers reads from the config to initialize a static cache early: a `multi_query` config
+    (Falcon, GPTBigCode) keeps one key/value head, and a config with a `v_head_dim` of its own
+    (MiMo-V2-Flash) gives values another width (and its sliding layers twice the heads)."""
+    v_head_dim = getattr(config, "v_head_dim", None)
+    return bool(getattr(config, "multi_query", False)) or (
+        v_head_dim is not None and v_head_dim != getattr(config, "head_dim", v_head_dim))
 
 
 def _allocated(layer: Any) -> bool:

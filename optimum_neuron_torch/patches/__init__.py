@@ -10,10 +10,18 @@ defines one patch (its `PATCH`), registered below when this package is imported,
 which `apply_patches` applies them.
 """
 
-from . import complex_rope, dense_embeddings, float64_to_float32, static_moe_experts
+from . import (
+    complex_rope,
+    dense_embeddings,
+    float64_to_float32,
+    sorted_topk,
+    static_moe_experts,
+    unit_triangular_solve,
+)
 from .registry import PATCHES, ModelPatch, apply_patches, patched, patches_for, register_patch, revert_patches
 
-for _module in (complex_rope, static_moe_experts, float64_to_float32, dense_embeddings):
+for _module in (complex_rope, static_moe_experts, sorted_topk, unit_triangular_solve, float64_to_float32,
+                dense_embeddings):
     register_patch(_module.PATCH)
 del _module
 

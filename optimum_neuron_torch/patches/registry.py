@@ -228,29 +228,36 @@ def _revert_latest(model: nn.Module, count: int) -> None:
 
 
 @functools.cache
-def names_used(cls: type) -> frozenset[str]:
-    """The global and attribute names read by the class's forward and by the methods of the class
-    and functions of its module that it calls, read from the bytecode (no source needed)."""
-    names: set[str] = set()
+def code_reached(cls: type) -> tuple[types.CodeType, ...]:
+    """The code of the class's forward and of the methods of the class and functions of its module
+    that it calls, nested functions included, read from the bytecode (no source needed)."""
+    codes: list[types.CodeType] = []
     pending, seen = [cls.forward], set()
     while pending:
         function = inspect.unwrap(pending.pop())
         if not isinstance(function, types.FunctionType) or function in seen:
             continue
         seen.add(function)
-        for name in _code_names(function.__code__):
-            names.add(name)
+        function_codes = list(_nested_codes(function.__code__))
+        codes.extend(function_codes)
+        for name in {name for code in function_codes for name in code.co_names}:
             for callee in (getattr(cls, name, None), function.__globals__.get(name)):
                 if isinstance(callee, types.FunctionType) and callee.__module__ == cls.__module__:
                     pending.append(callee)
-    return frozenset(names)
+    return tuple(codes)
 
 
-def _code_names(code: types.CodeType) -> Iterator[str]:
-    yield from code.co_names
+@functools.cache
+def names_used(cls: type) -> frozenset[str]:
+    """The global and attribute names read by the code `code_reached(cls)` finds."""
+    return frozenset(name for code in code_reached(cls) for name in code.co_names)
+
+
+def _nested_codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):  # nested functions, lambdas, comprehensions
-            yield from _code_names(constant)
+            yield from _nested_codes(constant)
 
 
 def replace_forward(module: nn.Module, forward: Callable) -> Undo:
