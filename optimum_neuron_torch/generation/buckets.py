@@ -14,6 +14,8 @@ from ..errors import ConfigurationError
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 DEFAULT_MAX_LENGTH = 2048
 SMALLEST_PROMPT_BUCKET = 16
+# The names configs give their context length (the longest sequence their positions cover), most common first.
+CONTEXT_LENGTH_NAMES = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx")
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,9 @@ class Buckets:
     def default(cls, config: PretrainedConfig, max_length: int | None = None) -> Buckets:
         """Batch sizes 1, 2, 4, 8; prompt buckets 16, 64, 256, ... (x4) up to half the cache; a
         cache of the model's context length, capped at 2048."""
-        context = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
+        text_config = config.get_text_config(decoder=True)
+        context = next((getattr(text_config, name) for name in CONTEXT_LENGTH_NAMES
+                        if isinstance(getattr(text_config, name, None), int)), DEFAULT_MAX_LENGTH)
         max_length = max_length or min(context, DEFAULT_MAX_LENGTH)
         prompt_buckets = [min(SMALLEST_PROMPT_BUCKET, max_length // 2)]
         while prompt_buckets[-1] * 4 <= max_length // 2:
