@@ -236,7 +236,7 @@ def run_one(model_type: str, folder: Path) -> dict:
         result["eager_identical"] = eager == expected
         result["fallback_ops"] = sorted(ont.fallback_ops())
     with stage("compiled"):
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, ont.compiler.recording_partitions() as splits:
             warnings.simplefilter("always")
             with torch.no_grad():
                 compiled = model.generate(device_ids, attention_mask=torch.ones_like(device_ids),
@@ -245,9 +245,25 @@ def run_one(model_type: str, folder: Path) -> dict:
                     for w in caught if "does not run on the compiled neuron graphs" in str(w.message)]
         result["compiled_identical"] = compiled == expected and not degraded
         result["degraded"] = degraded[0] if degraded else None
-        result["graphs"] = len(getattr(getattr(model, "neuron_generation", None), "cache_keys", ()))
+        keys = getattr(getattr(model, "neuron_generation", None), "cache_keys", ())
+        result["graphs"] = len(keys)
+        result["split_graphs"] = len(splits)
+        result["stablehlo"] = _lowering(keys)
         result["fallback_ops"] = sorted(set(result.get("fallback_ops", [])) | set(ont.fallback_ops()))
     return result
+
+
+def _lowering(cache_keys) -> str:
+    """Whether the compiled graphs (or their pieces) lowered to StableHLO, which TorchNeuron's
+    compiler needs: "ok", "fails" (they ran on the reference device only), or "unchecked"."""
+    from optimum_neuron_torch.compiler import CompileCache
+    from optimum_neuron_torch.compiler.artifact import LOWERS, lowering_failed
+
+    statuses = [entry.metadata.get("stablehlo", "unchecked") for entry in map(CompileCache().get, cache_keys)
+                if entry is not None]
+    if any(lowering_failed(status) for status in statuses if status != "unchecked"):
+        return "fails"
+    return "ok" if statuses and all(status == LOWERS for status in statuses) else "unchecked"
 
 
 class _Stage:
@@ -348,7 +364,7 @@ def status(result: dict) -> str:
     eager = "eager identical" if result["eager_identical"] else "eager DIFFERENT"
     compiled = ("compiled identical" if result["compiled_identical"]
                 else f"compiled degraded ({result['degraded']})" if result["degraded"] else "compiled DIFFERENT")
-    return f"{result['type']}: {eager}, {compiled}, {result['graphs']} graphs"
+    return f"{result['type']}: {eager}, {compiled}, {result['graphs']} graphs, StableHLO: {_lowering_mark(result)}"
 
 
 def summary(results: list[dict]) -> dict:
@@ -359,6 +375,9 @@ def summary(results: list[dict]) -> dict:
         "no_exception_on_neuron": sum("error" not in r for r in runnable),
         "eager_identical": sum(bool(r.get("eager_identical")) for r in runnable),
         "compiled_identical": sum(bool(r.get("compiled_identical")) for r in runnable),
+        # ... whose graphs lowered whole to StableHLO: what TorchNeuron's compiler takes as it is.
+        "compiled_identical_whole_graphs": sum(bool(r.get("compiled_identical")) and r.get("stablehlo") == "ok"
+                                               and not r.get("split_graphs") for r in runnable),
     }
 
 
@@ -407,26 +426,40 @@ def render_table(data: dict) -> str:
         f"({100 * counts['no_exception_on_neuron'] / runnable:.0f}%)",
         f"- eager tokens identical: {counts['eager_identical']} ({100 * counts['eager_identical'] / runnable:.0f}%)",
         f"- compiled tokens identical: {counts['compiled_identical']} "
-        f"({100 * counts['compiled_identical'] / runnable:.0f}%)",
+        f"({100 * counts['compiled_identical'] / runnable:.0f}%), of which with whole graphs that lower to "
+        f"StableHLO (what TorchNeuron's compiler takes as it is): {counts['compiled_identical_whole_graphs']}",
         f"- sweep time: {data['minutes']} min with {data['jobs']} jobs on {data['cpus']} CPUs",
         "",
-        "| type | eager identical | compiled identical | patches | fallback ops | graphs | error or reason |",
-        "|---|---|---|---|---|---|---|",
+        "*StableHLO*: whether the compiled graphs lower to StableHLO (*no*: they ran on the reference device,",
+        "TorchNeuron's compiler would refuse them; *split*: graphs split around ops the compiler cannot take,",
+        "which ran eagerly between compiled pieces).",
+        "",
+        "| type | eager identical | compiled identical | StableHLO | patches | fallback ops | graphs "
+        "| error or reason |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for result in data["results"]:
         error = result.get("error")
         if not runnable_on_cpu(result):
-            lines.append(f"| {result['type']} | – | – | – | – | – | not runnable on the CPU at tiny size: "
+            lines.append(f"| {result['type']} | – | – | – | – | – | – | not runnable on the CPU at tiny size: "
                          f"{_cell(error['message'])} |")
             continue
         reason = (f"{error['stage']}: {error['message']}" if error else
                   result.get("degraded") or ("" if result.get("compiled_identical") else "tokens differ"))
         lines.append(
             f"| {result['type']} | {_mark(result.get('eager_identical'))} | {_mark(result.get('compiled_identical'))}"
-            f" | {', '.join(result.get('patches', [])) or ''} | {', '.join(result.get('fallback_ops', []))}"
-            f" | {result.get('graphs', '')} | {_cell(reason)} |"
+            f" | {_lowering_mark(result)} | {', '.join(result.get('patches', []))}"
+            f" | {', '.join(result.get('fallback_ops', []))} | {result.get('graphs', '')} | {_cell(reason)} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _lowering_mark(result: dict) -> str:
+    if not result.get("graphs"):
+        return "–"
+    if result.get("stablehlo") == "fails":
+        return "no"
+    return "split" if result.get("split_graphs") else {"ok": "yes"}.get(result.get("stablehlo"), "–")
 
 
 def _mark(value) -> str:
