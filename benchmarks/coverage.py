@@ -91,15 +91,17 @@ OVERRIDES: dict[str, dict] = {
 SAMPLE = (
     # dense decoders
     "llama", "mistral", "qwen2", "qwen3", "gemma2", "phi", "phi3", "gpt2", "gpt_neox", "opt", "bloom", "olmo2", "xglm",
-    # mixtures of experts (the static-experts patch), multi-head latent attention (caches allocated by one step)
-    "mixtral", "qwen2_moe", "granitemoe", "deepseek_v32",
-    # hybrid and convolution caches (Transformers' linear-attention cache layers)
-    "bamba", "jamba", "lfm2",
-    # encoder architectures as decoders, a seq2seq model's decoder
-    "bert", "roberta", "bart",
-    # generated eagerly, with a warning: state-space cache only, data-dependent branch, unsorted top-k in a router,
-    # multi-query cache shape, ALiBi sliced by a data-dependent length, no KV cache at all
-    "mamba", "cpmant", "deepseek_v3", "falcon", "mpt", "openai-gpt",
+    # mixtures of experts (the static-experts patch; DeepSeek-V3's router: the sorted-top-k patch), multi-head latent
+    # attention (caches allocated by one step), and a graph split around data-dependent routing (in-place cache writes)
+    "mixtral", "qwen2_moe", "granitemoe", "deepseek_v32", "deepseek_v3", "jetmoe",
+    # hybrid and convolution caches (Transformers' linear-attention cache layers), multi-query attention
+    "bamba", "jamba", "lfm2", "falcon",
+    # encoder architectures as decoders, seq2seq models' decoders (positions by cache slot: prompts kept unpadded;
+    # positions sized by the cache length: read as a scalar)
+    "bert", "roberta", "bart", "mbart", "trocr",
+    # generated eagerly, with a warning: state-space cache only, data-dependent branch, ALiBi sliced by a
+    # data-dependent length, no KV cache at all
+    "mamba", "cpmant", "mpt", "openai-gpt",
 )
 
 

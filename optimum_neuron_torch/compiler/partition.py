@@ -207,6 +207,13 @@ def _item_sources(node: torch.fx.Node) -> list[torch.fx.Node]:
             if all(user.op == "call_function" and user.target is operator.getitem for user in source.users)]
 
 
+def _cannot_split(listed: str, count: int, why: str) -> UnsupportedGraphError:
+    return UnsupportedGraphError(
+        f"This graph holds {count} node(s) TorchNeuron's compiler cannot take ({listed}), and it cannot be split "
+        f"around them: {why}. Rewrite or patch the model so that these ops lower."
+    )
+
+
 def _order_reads_after_writes(gm: torch.fx.GraphModule) -> list[str]:
     """Makes every read of a tensor that follows an in-place write into it (`keys.index_copy_(...)`
     of a static cache) read the write's result instead, which is the same tensor: the partitioner
@@ -269,26 +276,19 @@ def split(gm: torch.fx.GraphModule, unsupported: dict[torch.fx.Node, str],
             f"refuses to split it: {listed}. Rewrite or patch the model around these ops, keep them out of the "
             f"compiled region, or unset {DISABLE_GRAPH_SPLIT_ENV} to run them eagerly between compiled pieces."
         )
+    listed = "; ".join(f"node {item.node} ({item.op}): {item.reason}" for item in fallback)
     shared_items = [node.name for node in gm.graph.nodes if len(_item_sources(node)) > 1]
     if shared_items:
         # torch.fx's partitioner moves an item to the partition of the node it is taken from, once per
         # pass until nothing moves: an item taken from two such nodes (`weights[expert_ids]`) moves back
         # and forth without end.
-        listed = "; ".join(f"node {item.node} ({item.op}): {item.reason}" for item in fallback)
-        raise UnsupportedGraphError(
-            f"This graph holds {len(fallback)} node(s) TorchNeuron's compiler cannot take ({listed}), and it cannot "
-            f"be split around them: node(s) {', '.join(shared_items)} index one tensor by another, which the "
-            "torch.fx partitioner cannot place. Rewrite or patch the model so that these ops lower."
-        )
+        raise _cannot_split(listed, len(fallback), f"node(s) {', '.join(shared_items)} index one tensor by another, "
+                                                   "which the torch.fx partitioner cannot place")
     unordered = _order_reads_after_writes(gm)
     if unordered:
-        listed = "; ".join(f"node {item.node} ({item.op}): {item.reason}" for item in fallback)
-        raise UnsupportedGraphError(
-            f"This graph holds {len(fallback)} node(s) TorchNeuron's compiler cannot take ({listed}), and it cannot "
-            f"be split around them: node(s) {', '.join(unordered)} write into a tensor in place without returning "
-            "it, so a split could read the tensor before the write. Rewrite or patch the model so that these ops "
-            "lower."
-        )
+        raise _cannot_split(listed, len(fallback), f"node(s) {', '.join(unordered)} write into a tensor in place "
+                                                   "without returning it, so a split could read the tensor before "
+                                                   "the write")
     partitioner = CapabilityBasedPartitioner(gm, _Supported(unsupported), allows_single_node_partition=True)
     order = {node: index for index, node in enumerate(gm.graph.nodes)}
     partitions = sorted(partitioner.propose_partitions(), key=lambda partition: min(map(order.get, partition.nodes)))

@@ -3,16 +3,14 @@ TorchNeuron has no float64 (those values then carry float32 precision)."""
 
 from __future__ import annotations
 
-import functools
 import warnings
-from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from .registry import ModelPatch, Undo, names_used, replace_forward, undo_all
+from .registry import ModelPatch, Undo, forwards_under_mode, names_used
 
 
 class _Float64AsFloat32(TorchFunctionMode):
@@ -30,15 +28,6 @@ def _float64_modules(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if {"float64", "double"} & names_used(type(module))]
 
 
-def _in_float32(forward: Callable) -> Callable:
-    @functools.wraps(forward)
-    def forward_in_float32(*args, **kwargs):
-        with _Float64AsFloat32():
-            return forward(*args, **kwargs)
-
-    return forward_in_float32
-
-
 def _narrow_float64(model: nn.Module) -> Undo:
     modules = _float64_modules(model)
     warnings.warn(
@@ -46,7 +35,7 @@ def _narrow_float64(model: nn.Module) -> Undo:
         "in float32 (TorchNeuron has no float64): results agree to float32 precision.",
         stacklevel=3,
     )
-    return undo_all([replace_forward(module, _in_float32(module.forward)) for module in modules])
+    return forwards_under_mode(modules, _Float64AsFloat32)
 
 
 PATCH = ModelPatch(

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ..errors import ConfigurationError
 
@@ -272,6 +273,21 @@ def replace_forward(module: nn.Module, forward: Callable) -> Undo:
             module.forward = previous
 
     return undo
+
+
+def forwards_under_mode(modules: Iterable[nn.Module], mode: Callable[[], TorchFunctionMode]) -> Undo:
+    """Makes each module's forward run inside a fresh `mode()` (a `TorchFunctionMode` that rewrites
+    some torch calls, which Dynamo traces through); the undo restores the forwards."""
+
+    def under_mode(forward: Callable) -> Callable:
+        @functools.wraps(forward)
+        def forward_under_mode(*args, **kwargs):
+            with mode():
+                return forward(*args, **kwargs)
+
+        return forward_under_mode
+
+    return undo_all([replace_forward(module, under_mode(module.forward)) for module in modules])
 
 
 def with_globals(function: Callable, replacements: dict[str, Callable]) -> types.FunctionType:

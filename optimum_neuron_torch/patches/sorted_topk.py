@@ -7,14 +7,11 @@ unsorted form to StableHLO, which DeepSeek-style MoE routers use to pick expert 
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .registry import ModelPatch, Undo, code_reached, replace_forward, undo_all
+from .registry import ModelPatch, Undo, code_reached, forwards_under_mode
 
 _TOPK = (torch.topk, torch.Tensor.topk)
 _SORTED_POSITION = 4  # topk(input, k, dim, largest, sorted)
@@ -46,17 +43,8 @@ def _unsorted_topk_modules(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if _calls_unsorted_topk(type(module))]
 
 
-def _sorted(forward: Callable) -> Callable:
-    @functools.wraps(forward)
-    def forward_with_sorted_topk(*args, **kwargs):
-        with _SortedTopk():
-            return forward(*args, **kwargs)
-
-    return forward_with_sorted_topk
-
-
 def _sort_topk(model: nn.Module) -> Undo:
-    return undo_all([replace_forward(module, _sorted(module.forward)) for module in _unsorted_topk_modules(model)])
+    return forwards_under_mode(_unsorted_topk_modules(model), _SortedTopk)
 
 
 PATCH = ModelPatch(

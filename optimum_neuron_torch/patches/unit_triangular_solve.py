@@ -9,15 +9,13 @@ the same solution in 2 ceil(log2 n) matrix products (12 for a chunk of 64), exac
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from .registry import ModelPatch, Undo, names_used, replace_forward, undo_all
+from .registry import ModelPatch, Undo, forwards_under_mode, names_used
 
 
 def solve_unit_lower_triangular(matrix: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
@@ -48,17 +46,8 @@ def _solving_modules(model: nn.Module) -> list[nn.Module]:
     return [module for module in model.modules() if "solve_triangular" in names_used(type(module))]
 
 
-def _by_products(forward: Callable) -> Callable:
-    @functools.wraps(forward)
-    def forward_with_product_solves(*args, **kwargs):
-        with _UnitTriangularSolveByProducts():
-            return forward(*args, **kwargs)
-
-    return forward_with_product_solves
-
-
 def _solve_by_products(model: nn.Module) -> Undo:
-    return undo_all([replace_forward(module, _by_products(module.forward)) for module in _solving_modules(model)])
+    return forwards_under_mode(_solving_modules(model), _UnitTriangularSolveByProducts)
 
 
 PATCH = ModelPatch(
