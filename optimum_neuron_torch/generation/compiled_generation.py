@@ -6,15 +6,14 @@ to a batch bucket and a prompt bucket and given one static KV cache of fixed len
 bucket, and every forward of the loop goes through one compiled function: prefill as Transformers'
 chunked prefill with the bucket as chunk size, then one decode step at a time. So the graphs are
 one per (batch bucket, prompt bucket) plus one decode graph per batch bucket, whatever the prompt
-length or `max_new_tokens`. (Decoders whose outputs left padding would change, those that number
-positions by cache slot or carry a state from token to token, keep their prompts' lengths: each
-prompt length compiles a prefill graph of its own.) Encoder-decoders run a compiled encoder per
-(batch, prompt bucket) and a compiled decode step per (batch, prompt bucket); their first decoder
-step (one token, which fills the cross-attention cache) runs eagerly, because Transformers'
-chunked prefill, the path that would compile it, slices the encoder's attention mask as if it
-were the decoder's. What it cannot serve this way runs Transformers' eager `generate()`, with a
-warning once per reason; so does, from its first call on, a model whose compiled path fails (see
-`CompiledGeneration._degrade`).
+length or `max_new_tokens`. (Decoders that number positions by cache slot, whose outputs left
+padding would change, keep their prompts' lengths: each prompt length compiles a prefill graph of
+its own.) Encoder-decoders run a compiled encoder per (batch, prompt bucket) and a compiled
+decode step per (batch, prompt bucket); their first decoder step (one token, which fills the
+cross-attention cache) runs eagerly, because Transformers' chunked prefill, the path that would
+compile it, slices the encoder's attention mask as if it were the decoder's. What it cannot
+serve this way runs Transformers' eager `generate()`, with a warning once per reason; so does,
+from its first call on, a model whose compiled path fails (see `CompiledGeneration._degrade`).
 """
 
 from __future__ import annotations
@@ -449,15 +448,9 @@ def _prompt_streamed(kwargs: dict[str, Any], streamer: UnpaddedStreamer | None) 
 
 def _why_padding_changes_outputs(model: PreTrainedModel) -> str | None:
     """Why left padding (masked pad tokens before the prompt) would change a decoder's outputs, or
-    None: layers that carry a state from token to token (linear attention, convolutions, state
-    spaces) take the pad tokens into it, and a forward without `position_ids` numbers positions by
-    cache slot (learned or sinusoidal positions from the cache length, ALiBi without a mask)."""
-    try:
-        layers = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=1).layers
-    except Exception:  # a config Transformers cannot build a static cache for: the first call degrades
-        layers = []
-    if any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in layers):
-        return "carries a state from token to token (linear attention, convolution or state-space layers)"
+    None: a forward without `position_ids` numbers positions by cache slot (learned or sinusoidal
+    positions from the cache length, ALiBi without a mask). (Transformers' linear-attention and
+    state-space layers zero the states of masked tokens, so padding leaves their states as they are.)"""
     if "position_ids" not in inspect.signature(model.forward).parameters:
         return "numbers positions by cache slot (its forward takes no position_ids)"
     return None
