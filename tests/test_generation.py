@@ -18,6 +18,7 @@ from transformers import (
     GPTBigCodeConfig,
     MambaConfig,
     MBartConfig,
+    MiMoV2FlashConfig,
     PreTrainedTokenizerFast,
     TextStreamer,
     TrOCRConfig,
@@ -316,10 +317,16 @@ def test_a_decoder_numbering_positions_by_cache_slot_keeps_its_prompt_length(fre
     FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
                  multi_query=True,
                  new_decoder_architecture=False),
-], ids=["gpt_bigcode", "falcon"])
-def test_multi_query_attention_generates_compiled(config, fresh_dynamo):
-    """One key/value head, where Transformers' early static-cache initialization would allocate one
-    per attention head: the cache is sized by the model's own first update instead."""
+    # Sliding layers with twice the key/value heads of the config's.
+    MiMoV2FlashConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, v_head_dim=8,
+                      layer_types=["full_attention", "sliding_attention"], mlp_layer_types=["dense", "dense"],
+                      sliding_window=16, max_position_embeddings=64),
+], ids=["gpt_bigcode", "falcon", "mimo_v2_flash"])
+def test_key_value_heads_the_config_does_not_give_generate_compiled(config, fresh_dynamo):
+    """Key/value heads other than those Transformers' early static-cache initialization reads from
+    the config (one for multi-query attention, twice as many in MiMo's sliding layers): the cache is
+    sized by the model's own first update instead."""
     cpu = noisy_model(config)
     model = enable_compiled_generation(copy.deepcopy(cpu).to("neuron"), BUCKETS)
     ids, settings = prompt(7), dict(max_new_tokens=6, min_new_tokens=6, **GREEDY)

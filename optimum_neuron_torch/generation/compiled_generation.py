@@ -182,8 +182,9 @@ class CompiledGeneration:
             lengths = [self.buckets.max_length] + ([encoder_length] if self.encoder_decoder else [])
             caches = [StaticCache(config=config, max_cache_len=length) for length in lengths]
             attention = any(getattr(layer, "supports_early_init", False) for layer in caches[0].layers)
-            early = attention and not _heads_differ_from_config(config)
-            init_shape = model._get_static_cache_init_shape() if early else None
+            init_shape = model._get_static_cache_init_shape() if attention else None
+            if init_shape is not None and not _early_shape_fits(model, config, init_shape, caches[0].layers):
+                init_shape = None  # (the eager step below sizes the layers from the model's own keys and values)
             for cache, length in zip(caches, lengths, strict=True):
                 cache.layers = [_without_sliding_window(layer, length) for layer in cache.layers]
                 if init_shape is not None:
@@ -456,14 +457,28 @@ def _why_padding_changes_outputs(model: PreTrainedModel) -> str | None:
     return None
 
 
-def _heads_differ_from_config(config: Any) -> bool:
-    """Whether the cache's key/value heads may differ from the `(num_key_value_heads, head_dim)`
-    Transformers reads from the config to initialize a static cache early: a `multi_query` config
-    (Falcon, GPTBigCode) keeps one key/value head, and a config with a `v_head_dim` of its own
-    (MiMo-V2-Flash) gives values another width (and its sliding layers twice the heads)."""
-    v_head_dim = getattr(config, "v_head_dim", None)
-    return bool(getattr(config, "multi_query", False)) or (
-        v_head_dim is not None and v_head_dim != getattr(config, "head_dim", v_head_dim))
+def _early_shape_fits(model: PreTrainedModel, config: Any, init_shape: tuple[Any, Any], layers: list[Any]) -> bool:
+    """Whether the `(num_heads, head_dim)` Transformers reads from the config to initialize a static
+    cache early fits the keys and values the model writes: a `multi_query` config (Falcon,
+    GPTBigCode) keeps one key/value head where Transformers counts the attention heads, and an
+    attention layer whose `k_proj`/`v_proj` is wider or narrower than that (MiMo-V2-Flash: sliding
+    layers with twice the heads, values of their own width) would fail its first cache update."""
+    if getattr(config, "multi_query", False):
+        return False
+    if tensor_parallel_mesh(model) is not None:  # (sharded projections: Transformers' shape is per rank)
+        return True
+    num_heads, head_dim = init_shape
+    for module in model.modules():
+        index = getattr(module, "layer_idx", None)
+        if not isinstance(index, int) or index >= len(layers) or not getattr(layers[index], "supports_early_init",
+                                                                            False):
+            continue
+        heads = num_heads[index] if isinstance(num_heads, list) else num_heads
+        width = head_dim[index] if isinstance(head_dim, list) else head_dim
+        for projection in (getattr(module, "k_proj", None), getattr(module, "v_proj", None)):
+            if isinstance(projection, torch.nn.Linear) and projection.out_features != heads * width:
+                return False
+    return True
 
 
 def _allocated(layer: Any) -> bool:
