@@ -94,14 +94,14 @@ SAMPLE = (
     # mixtures of experts (the static-experts patch; DeepSeek-V3's router: the sorted-top-k patch), multi-head latent
     # attention (caches allocated by one step), and a graph split around data-dependent routing (in-place cache writes)
     "mixtral", "qwen2_moe", "granitemoe", "deepseek_v32", "deepseek_v3", "jetmoe",
-    # hybrid and convolution caches (Transformers' linear-attention cache layers), multi-query attention
-    "bamba", "jamba", "lfm2", "falcon",
+    # hybrid, convolution and state-space caches (Transformers' linear-attention cache layers), multi-query attention
+    "bamba", "jamba", "lfm2", "mamba", "falcon",
     # encoder architectures as decoders, seq2seq models' decoders (positions by cache slot: prompts kept unpadded;
     # positions sized by the cache length: read as a scalar)
     "bert", "roberta", "bart", "mbart", "trocr",
-    # generated eagerly, with a warning: state-space cache only, data-dependent branch, ALiBi sliced by a
-    # data-dependent length, no KV cache at all
-    "mamba", "cpmant", "mpt", "openai-gpt",
+    # generated eagerly, with a warning: data-dependent branch, ALiBi sliced by a data-dependent length, a state
+    # of its own (no `cache` argument), no KV cache at all
+    "cpmant", "mpt", "rwkv", "openai-gpt",
 )
 
 

@@ -16,10 +16,12 @@ from transformers import (
     CpmAntConfig,
     FalconConfig,
     GPTBigCodeConfig,
+    InklingTextConfig,
     MambaConfig,
     MBartConfig,
     MiMoV2FlashConfig,
     PreTrainedTokenizerFast,
+    RwkvConfig,
     TextStreamer,
     TrOCRConfig,
 )
@@ -27,6 +29,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from optimum_neuron_torch import NeuronAutoModelForCausalLM
 from optimum_neuron_torch.generation import Buckets, disable_compiled_generation, enable_compiled_generation
+from optimum_neuron_torch.patches import apply_patches
 from tiny_models import TINY_MODELS, VOCAB
 
 BUCKETS = Buckets(batch_sizes=(1, 4), prompt_buckets=(8, 16), max_length=64)
@@ -367,21 +370,76 @@ class RecordingStreamer(BaseStreamer):
         pass
 
 
-@pytest.mark.parametrize("config", [
+def test_a_model_reading_the_cache_length_before_its_update_matches_eager(fresh_dynamo):
+    """Inkling reads `get_query_offset()` before updating the cache and uses it after: a static
+    layer's length tensor, incremented in place by the update, must not reach it (positions off by
+    the step's length, silently other tokens)."""
+    torch.manual_seed(0)
+    config = InklingTextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, swa_num_attention_heads=4,
+                               swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=128, rel_extent=128,
+                               moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                               layer_types=["hybrid_sliding", "hybrid"], mlp_layer_types=["dense", "sparse"],
+                               max_position_embeddings=64, experts_implementation="eager")
+    cpu = AutoModelForCausalLM.from_config(config).eval()
+    for name, parameter in cpu.named_parameters():
+        if name.endswith("rel_logits_proj.proj"):  # (initialized to zeros: no position would show)
+            torch.nn.init.normal_(parameter)
+    device_model = copy.deepcopy(cpu).to("neuron")
+    assert apply_patches(device_model) == ["static_moe_experts", "sorted_topk"]  # (as from_pretrained does)
+    model = enable_compiled_generation(device_model, BUCKETS)
+    settings = dict(max_new_tokens=8, output_scores=True, return_dict_in_generate=True, **GREEDY)
+    for length in (6, 16):
+        ids = prompt(length, seed=length)
+        expected, generated = cpu.generate(ids, **settings), model.generate(ids.to("neuron"), **settings)
+        torch.testing.assert_close(torch.stack(generated.scores).cpu(), torch.stack(expected.scores))
+        assert generated.sequences.cpu().tolist() == expected.sequences.tolist()
+    assert model.neuron_generation.unservable is None and recompiles() == 0
+
+
+def test_a_state_space_model_generates_compiled_and_a_prompt_past_one_chunk_eagerly(fresh_dynamo):
+    """Mamba's cache holds states only: Transformers' chunked prefill cannot ask its length, and its
+    scan starts from a zero state on each chunk, so a prompt is prefilled in one chunk or not compiled."""
+    torch.manual_seed(0)
+    config = MambaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, state_size=8)
+    cpu = AutoModelForCausalLM.from_config(config).eval()
+    model = enable_compiled_generation(copy.deepcopy(cpu).to("neuron"), BUCKETS)
+    assert model.neuron_generation.states_only
+    settings = dict(max_new_tokens=6, **GREEDY)
+    for length in (6, 6, 16):  # (unpadded prompts: forward takes no position_ids)
+        ids = prompt(length, seed=length)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # (the unpadded-prompts note)
+            generated = model.generate(ids.to("neuron"), **settings)
+        assert generated.cpu().tolist() == cpu.generate(ids, **settings).tolist()
+    assert model.neuron_generation.unservable is None and recompiles() == 0
+    assert len(model.neuron_generation.cache_keys) == 3  # a prefill per prompt length, one decode step
+
+    ids = prompt(17)  # one past the largest prompt bucket: two chunks
+    with pytest.warns(UserWarning, match="a prompt of 17 tokens, above the largest prompt bucket \\(16\\), in a model "
+                                         "whose cache holds state-space states only"):
+        generated = model.generate(ids.to("neuron"), **settings)
+    assert generated.cpu().tolist() == cpu.generate(ids, **settings).tolist()
+    assert model.neuron_generation.unservable is None  # this call only
+
+
+@pytest.mark.parametrize("config, reason", [
     # Data-dependent branching in forward (Dynamo cannot trace it in one graph).
-    CpmAntConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, dim_head=8, dim_ff=64, num_hidden_layers=2),
-    # A state-space model: Transformers' chunked prefill cannot size a cache of state-space layers only.
-    MambaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, state_size=8),
-], ids=["data-dependent-branch", "state-space"])
-def test_a_model_the_graphs_cannot_serve_generates_eagerly_with_one_warning(config, fresh_dynamo):
+    (CpmAntConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, dim_head=8, dim_ff=64,
+                  num_hidden_layers=2), "its compiled forward fails with "),
+    # A recurrent model keeping its own state (no `cache` argument), known before any compile.
+    (RwkvConfig(vocab_size=VOCAB, hidden_size=32, attention_hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, context_length=64), "its forward takes no `cache`"),
+], ids=["data-dependent-branch", "own-recurrent-state"])
+def test_a_model_the_graphs_cannot_serve_generates_eagerly_with_one_warning(config, reason, fresh_dynamo):
     torch.manual_seed(0)
     cpu = AutoModelForCausalLM.from_config(config).eval()
     model = enable_compiled_generation(copy.deepcopy(cpu).to("neuron"), BUCKETS)
     ids, settings = prompt(6), dict(max_new_tokens=5, min_new_tokens=5, **GREEDY)
     expected = cpu.generate(ids, **settings)
     streamer = RecordingStreamer()
-    with pytest.warns(UserWarning, match=rf"model type '{config.model_type}' \(its compiled forward fails with "
-                                         r".*What would make it compile: "):
+    warning = rf"model type '{config.model_type}' \({reason}.*What would make it compile: "
+    with pytest.warns(UserWarning, match=warning):
         generated = model.generate(ids.to("neuron"), streamer=streamer, **settings)
     assert generated.cpu().tolist() == expected.tolist()
     assert streamer.puts[0] == ids[0].tolist() and len(streamer.puts) == 1 + 5  # the prompt once, then each token

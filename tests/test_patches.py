@@ -134,6 +134,11 @@ CASES = {
     "aimv2": Case(transformers.Aimv2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                                  num_attention_heads=4, image_size=32, patch_size=8, is_native=True),
                   transformers.AutoModel, NeuronAutoModel, ["float64_to_float32"], (float64_tensors,), vision=True),
+    # PhiMoE: its rotary embedding recomputes the frequencies on the CPU at every forward (the copy to
+    # the device is what rope_on_device removes: test_rope_on_device_copies_nothing_to_the_device).
+    "phimoe": Case(transformers.PhimoeConfig(**DECODER, num_local_experts=4, num_experts_per_tok=2,
+                                             experts_implementation="eager"),
+                   *CAUSAL, ["static_moe_experts", "rope_on_device"], (data_dependent_shapes,)),
     "llama": Case(transformers.LlamaConfig(**DECODER), *CAUSAL, [], ()),
 }
 PATCHED_CASES = [name for name, case in CASES.items() if case.patches]
@@ -197,6 +202,37 @@ def test_patched_model_traces_with_dynamo(name):
     apply_patches(model)
     compiled = torch.compile(model, backend="eager", fullgraph=True, dynamic=False)
     torch.testing.assert_close(run(compiled, case.inputs()), expected)
+
+
+class HostToDeviceCopies(TorchDispatchMode):
+    """Counts the ops that take a CPU tensor and return a `neuron` one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        inputs = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        outputs = [leaf for leaf in tree_leaves(result) if isinstance(leaf, torch.Tensor)]
+        if any(t.device.type == "cpu" for t in inputs) and any(t.device.type == "neuron" for t in outputs):
+            self.count += 1
+        return result
+
+
+def test_rope_on_device_copies_nothing_to_the_device():
+    """A host-to-device copy inside forward is a `prims.device_put` in a compiled graph, which does not lower."""
+    case = CASES["phimoe"]
+    model, inputs = case.build().to("neuron"), case.inputs("neuron")
+    expected = run(model, inputs)
+    with HostToDeviceCopies() as unpatched:
+        run(model, inputs)
+    with patched(model, ["rope_on_device"]), HostToDeviceCopies() as patched_run:
+        torch.testing.assert_close(run(model, inputs), expected)
+    assert unpatched.count > 0 and patched_run.count == 0
+    model.to("cpu")  # the patched forward follows the module's device, read at each call
+    with patched(model, ["rope_on_device"]):
+        torch.testing.assert_close(run(model, case.inputs()), expected)
 
 
 def test_patches_are_scoped_to_the_instance():

@@ -19,6 +19,7 @@ from its first call on, a model whose compiled path fails (see `CompiledGenerati
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import warnings
@@ -100,6 +101,9 @@ class CompiledGeneration:
         self.encoder_decoder: bool = model.config.is_encoder_decoder
         # Why left padding would change this decoder's outputs, if it would (see `_why_padding_changes_outputs`).
         self.unpadded_prompts: str | None = None if self.encoder_decoder else _why_padding_changes_outputs(model)
+        # Why this model cannot generate compiled and what would change it, known from its forward's
+        # signature or once a call found out.
+        self.unservable: tuple[str, str] | None = _why_no_static_cache(model)
         self.buckets = buckets
         self.cache_keys: set[str] = set()  # compile-cache entries of this model's graphs
         self.active = False  # inside a compiled generate(): get_compiled_call() answers with `forward`
@@ -107,8 +111,6 @@ class CompiledGeneration:
         self._compiled_forward: Callable[..., Any] | None = None
         self._compiled_encoder: Callable[..., Any] | None = None
         self._warned: set[str] = set()
-        # Why this model cannot generate compiled and what would change it, once a call found out.
-        self.unservable: tuple[str, str] | None = None
         # Whether the cache's length reaches the model's code as a scalar rather than a tensor (see
         # `_scalar_cache_length`): set when a call found its tensor sizing the model's tensors.
         self.cache_length_as_scalar = False
@@ -120,6 +122,18 @@ class CompiledGeneration:
         encoder and a decode step per encoder bucket."""
         per_prompt_bucket = 2 if self.encoder_decoder else 1
         return len(self.buckets.batch_sizes) * (len(self.buckets.prompt_buckets) * per_prompt_bucket + 1)
+
+    @functools.cached_property
+    def states_only(self) -> bool:
+        """Whether the model's cache holds state-space (or linear-attention) states only, which
+        Transformers can neither measure nor prefill in chunks (see `_empty_length_known`)."""
+        if self.encoder_decoder:
+            return False
+        try:
+            cache = StaticCache(config=self.model.config.get_text_config(decoder=True), max_cache_len=1)
+        except Exception:  # (a config the static cache cannot read: `_cache` fails the same way, and degrades)
+            return False
+        return all(cache.is_linear)
 
     @property
     def model(self) -> PreTrainedModel:
@@ -138,10 +152,11 @@ class CompiledGeneration:
     def forward(self, **inputs: Any) -> Any:
         """The model's forward, compiled. Its inputs are made canonical, so that each bucket meets
         one graph: standard strides (a chunk sliced from a longer prompt has others), and always a
-        materialized attention mask (Transformers leaves it out of a prefill without padding)."""
+        materialized attention mask (Transformers leaves it out of a prefill without padding), except
+        for caches of state-space layers only, which Transformers gives no mask after the prompt."""
         if self._compiled_forward is None:
             self._compiled_forward = torch.compile(_call, **COMPILE_CONFIG.to_dict())
-        if inputs.get("attention_mask") is None and not self.encoder_decoder:
+        if inputs.get("attention_mask") is None and not self.encoder_decoder and not all(inputs["cache"].is_linear):
             inputs["attention_mask"] = self._causal_mask(inputs["input_ids"], inputs["cache"],
                                                          inputs.get("position_ids"))
         return self._compiled_forward(self.model, **{name: _dense(value) for name, value in inputs.items()})
@@ -197,8 +212,11 @@ class CompiledGeneration:
                 ids = torch.full((batch, 1), token, dtype=torch.long, device=model.device)
                 with torch.no_grad():
                     model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True)
+            _length_read_as_a_value(cache.self_attention_cache if self.encoder_decoder else cache)
             if self.cache_length_as_scalar:
                 _scalar_cache_length(cache.self_attention_cache if self.encoder_decoder else cache)
+            if all(cache.is_linear):
+                _empty_length_known(cache)
             self._caches[key] = cache
         cache = self._caches[key]
         cache.reset()
@@ -216,7 +234,8 @@ class CompiledGeneration:
             share_random_state(mesh)
         if config.disable_compile:
             return transformers_generate(input_ids, generation_config, **kwargs)
-        if self.unservable is not None:  # an earlier call found the compiled path failing, and warned
+        if self.unservable is not None:  # known from the start, or an earlier call found out
+            self._warn_once(*self.unservable)
             return transformers_generate(input_ids, generation_config, **kwargs)
         shapes = self._plan(input_ids, config, kwargs)
         if isinstance(shapes, str):
@@ -289,6 +308,10 @@ class CompiledGeneration:
             padded, chunk = prompt, min(prompt, self.buckets.prompt_buckets[-1])
             needed = padded + new_tokens
             self._note_unpadded_prompts()
+        if self.states_only and chunk < padded:
+            return (f"a prompt of {prompt} tokens, above the largest prompt bucket "
+                    f"({self.buckets.prompt_buckets[-1]}), in a model whose cache holds state-space states only, "
+                    "which are prefilled in one chunk; add a bucket with model.precompile(prompt_buckets=...)")
         if needed > self.buckets.max_length:
             return (f"{needed} cache positions (prompt padded to {padded}, {new_tokens} new tokens) "
                     "where the KV cache holds "
@@ -381,6 +404,17 @@ class CompiledGeneration:
                                 do_sample=False)
 
 
+def _why_no_static_cache(model: PreTrainedModel) -> tuple[str, str] | None:
+    """Why a static cache cannot serve `model`, if its forward takes no `cache` (RWKV keeps a state
+    of its own, OpenAI GPT and XLNet none that Transformers' cache classes hold): the reason, and
+    what would make it compile. None for the others."""
+    if "cache" in inspect.signature(model.forward).parameters:
+        return None
+    return (f"model type {model.config.model_type!r} (its forward takes no `cache`: the state it keeps between "
+            "steps, if any, is not one Transformers' static cache holds)",
+            "a forward that takes Transformers' `cache` argument")
+
+
 def _why_not_compiled(error: Exception, model: PreTrainedModel) -> tuple[str, str]:
     """What to tell the user when the compiled path of `model` failed with `error`: the reason,
     and what would make the model compile."""
@@ -426,6 +460,20 @@ def _sizes_by_cache_length(error: BaseException) -> bool:
     return False
 
 
+def _length_read_as_a_value(cache: StaticCache) -> None:
+    """Makes this cache instance's `get_seq_length()` return the length at the time of the call.
+    Transformers' static layers return their length tensor itself, which their next update
+    increments in place: a model that reads the length before updating the cache and uses it after
+    (Inkling's query positions) would see the new length (the CPU's dynamic cache returns an int)."""
+    ask_cache = cache.get_seq_length
+
+    def get_seq_length(layer_idx: int = 0) -> Any:
+        length = ask_cache(layer_idx)
+        return length.clone() if isinstance(length, torch.Tensor) else length
+
+    cache.get_seq_length = get_seq_length
+
+
 def _scalar_cache_length(cache: StaticCache) -> None:
     """Makes this cache instance's `get_seq_length()` a scalar read from the device (Dynamo traces it
     as one symbolic size) instead of the layer's length tensor: positions a model computes as
@@ -435,6 +483,23 @@ def _scalar_cache_length(cache: StaticCache) -> None:
     def get_seq_length(layer_idx: int = 0) -> int:
         length = cache.layers[layer_idx].get_seq_length()
         return int(length.item()) if isinstance(length, torch.Tensor) else length
+
+    cache.get_seq_length = get_seq_length
+
+
+def _empty_length_known(cache: StaticCache) -> None:
+    """Makes this cache instance answer `get_seq_length()` while it is empty (0): Transformers'
+    chunked prefill asks it once, before the first chunk, and Transformers' cache refuses the
+    question when only state-space layers hold the states. Once states are written it refuses as
+    before. Such a cache is prefilled in one chunk only (`_plan`): Mamba's scan over a prompt starts
+    from a zero state, so a second chunk would not continue the first."""
+    ask_cache = cache.get_seq_length
+
+    def get_seq_length(layer_idx: int = 0) -> int:
+        if not any(any(layer.has_previous_state.values()) for layer in cache.layers
+                   if isinstance(layer, LinearAttentionCacheLayerMixin)):
+            return 0
+        return ask_cache(layer_idx)
 
     cache.get_seq_length = get_seq_length
 

@@ -14,14 +14,15 @@ from . import (
     complex_rope,
     dense_embeddings,
     float64_to_float32,
+    rope_on_device,
     sorted_topk,
     static_moe_experts,
     unit_triangular_solve,
 )
 from .registry import PATCHES, ModelPatch, apply_patches, patched, patches_for, register_patch, revert_patches
 
-for _module in (complex_rope, static_moe_experts, sorted_topk, unit_triangular_solve, float64_to_float32,
-                dense_embeddings):
+for _module in (complex_rope, static_moe_experts, sorted_topk, unit_triangular_solve, rope_on_device,
+                float64_to_float32, dense_embeddings):
     register_patch(_module.PATCH)
 del _module
 
