@@ -6,10 +6,12 @@ Llama forward (built from a config with a fixed seed, nothing downloaded) run on
 `neuron`. Each case is timed in blocks of many back-to-back calls with `time.perf_counter_ns`;
 CPU and neuron blocks are interleaved so that drift hits both alike, and the per-call time is
 the median over the blocks (the minimum is printed as well). The overhead is neuron minus CPU.
+Then the allocation and first write of 1 MiB to 1 GiB tensors: the device's caching allocator,
+warm and cold, against the CPU's and the write speed of memory already touched.
 
 Usage:
     python benchmarks/device_overhead.py [--threads 1] [--profile full|torchneuron]
-        [--breakdown] [--kv-heads 2] [--attn sdpa|eager] [--blocks 15] [--block-ms 20] [--check]
+        [--breakdown] [--kv-heads 2] [--attn sdpa|eager] [--blocks 15] [--block-ms 20] [--alloc-repeats 5] [--check]
 
 The target is at most 2 us of overhead per small op with the `full` profile (every op native,
 no fallback accounting). The environment is set before `optimum_neuron_torch` is imported:
@@ -47,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="attention implementation of the tiny Llama (default sdpa)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time variants that split the overhead: add with out=, empty 16x16")
+    parser.add_argument("--alloc-repeats", type=int, default=5,
+                        help="repeats per size of the allocation + first write cases (default 5)")
     parser.add_argument("--check", action="store_true",
                         help="exit with status 1 when a small op misses the target")
     return parser.parse_args(argv)
@@ -214,6 +218,38 @@ def tiny_llama():
     return cpu_fn, neuron_fn, diff, config
 
 
+ALLOCATION_SIZES = (1 << 20, 16 << 20, 256 << 20, 1 << 30)
+
+
+def allocation_rates(size: int, repeats: int) -> dict[str, float]:
+    """GB/s of allocating `size` bytes and writing them once (`torch.empty(...).fill_(1)`, then freed):
+    on the CPU (PyTorch's CPU allocator: fresh memory from the host each time), on `neuron` with its
+    cache warm (the freed block serves the next allocation) and cold (`empty_cache()` before each
+    allocation: fresh host memory, first-touch page faults), and the physical limit: the same write
+    into device memory already touched (a kept tensor)."""
+
+    def rate(make: Callable[[], object], before: Callable[[], None] = lambda: None) -> float:
+        times = []
+        for _ in range(repeats):
+            before()
+            start = time.perf_counter()
+            make()
+            times.append(time.perf_counter() - start)
+        return size / statistics.median(times) / 1e9
+
+    kept = torch.empty(size, dtype=torch.uint8, device="neuron")
+    kept.fill_(0)
+    rates = {
+        "cpu": rate(lambda: torch.empty(size, dtype=torch.uint8).fill_(1)),
+        "neuron_warm": rate(lambda: torch.empty(size, dtype=torch.uint8, device="neuron").fill_(1)),
+        "neuron_cold": rate(lambda: torch.empty(size, dtype=torch.uint8, device="neuron").fill_(1),
+                            before=torch.neuron.empty_cache),
+        "limit": rate(lambda: kept.fill_(1)),
+    }
+    torch.neuron.empty_cache()
+    return rates
+
+
 def count_aten_ops(fn: Callable[[], object]) -> int:
     """ATen ops that one call of `fn` dispatches below autograd (as the backend sees them)."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -320,6 +356,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  max |logits(neuron) - logits(CPU)| = {diff:.2e}")
     print(f"  fallback ops (small-op cases): {', '.join(small_fallbacks) or 'none'}")
     print(f"  fallback ops (one Llama forward): {', '.join(llama_fallbacks) or 'none'}")
+
+    print()
+    print("allocation + first write (torch.empty(n, dtype=uint8).fill_(1), then freed), GB/s, median of "
+          f"{ARGS.alloc_repeats}; limit: the same write into device memory already touched")
+    print("| size     | CPU   | neuron, cache warm | neuron, cold (empty_cache) | limit | warm/limit | cold/CPU |")
+    print("|----------|-------|--------------------|----------------------------|-------|------------|----------|")
+    for size in ALLOCATION_SIZES:
+        r = allocation_rates(size, ARGS.alloc_repeats)
+        print(f"| {size >> 20:>4} MiB | {r['cpu']:>5.1f} | {r['neuron_warm']:>18.1f} | {r['neuron_cold']:>26.1f} | "
+              f"{r['limit']:>5.1f} | {r['neuron_warm'] / r['limit']:>9.2f}x | {r['neuron_cold'] / r['cpu']:>7.2f}x |")
 
     small = [r for r in results if r.small]
     missed = [r.name for r in small if r.overhead_us > ARGS.target_us]

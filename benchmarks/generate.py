@@ -12,6 +12,10 @@ count, on a 32-token prompt with 64 greedy new tokens, at batch 1 and 4:
 - decode tokens/s per sequence: 63 / (time of a 64-token call - time to first token), best of 3;
 - graphs compiled and recompiles (Dynamo counters); for the library, the compile-cache counters.
 The library runs twice on the same compile cache, in two processes: cold (empty cache) and warm.
+The physical limit is measured in the same run and thread count: the machine's read bandwidth (the
+best of 5 `x.sum()` over a 1 GiB float32 tensor, STREAM-style), and the roofline of a decode step,
+`bandwidth / bytes read per step`: the weights (the input embedding excepted unless tied: a step
+reads one row of it) plus the library's whole static KV cache, for the batch.
 
 Usage:
     python benchmarks/generate.py [--model default|small|smollm2] [--threads 1] [--dtypes float32,bfloat16]
@@ -95,6 +99,41 @@ def child(variant: str, folder: str, dtype_name: str, batches: list[int], thread
     return results
 
 
+def read_bandwidth(threads: int, repeats: int = 5) -> float:
+    """GB/s of reading a 1 GiB float32 tensor (`x.sum()`, best of `repeats`) with `threads` threads."""
+    import torch
+
+    torch.set_num_threads(threads)
+    tensor = torch.ones(1 << 28)
+    tensor.sum()  # (touched once: no page faults in the measurement)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tensor.sum()
+        best = min(best, time.perf_counter() - start)
+    return tensor.nbytes / best / 1e9
+
+
+def bytes_per_step(folder: str | Path, dtype_name: str, batch: int) -> tuple[int, int]:
+    """(weight bytes, KV-cache bytes) one decode step of the library reads at `batch`: every weight but
+    the input embedding (one row of it is read) unless the output layer shares it, and the whole
+    static cache (its length: the buckets' max_length)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    dtype = getattr(torch, dtype_name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    embedding, output = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    unique = {id(p): p for p in model.parameters() if p is not embedding or p is output}
+    weights = sum(p.numel() * p.element_size() for p in unique.values())
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache = (2 * config.num_hidden_layers * batch * config.num_key_value_heads * head_dim * (2 * PROMPT + NEW_TOKENS)
+             * dtype.itemsize)
+    return weights, cache
+
+
 def spawn(variant: str, folder: Path, dtype: str, batches: list[int], threads: int, cache: Path) -> dict:
     env = {**os.environ, "OPTIMUM_NEURON_TORCH_COMPILE_CACHE": str(cache), "OPTIMUM_NEURON_TORCH_FALLBACK": "silent",
            "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor-baseline")}
@@ -126,6 +165,8 @@ def main() -> None:
     print(f"model: {args.model} {MODELS.get(args.model, 'SmolLM2-135M-Instruct')}")
     print(f"threads: {args.threads}; torch {torch.__version__}; prompt {PROMPT} tokens, "
           f"{NEW_TOKENS} new tokens, greedy")
+    bandwidth = read_bandwidth(args.threads)
+    print(f"read bandwidth: {bandwidth:.1f} GB/s (x.sum() of 1 GiB float32, {args.threads} thread(s), best of 5)")
     with tempfile.TemporaryDirectory() as scratch:
         if args.model == EMBEDDED:
             from optimum_neuron_torch import default_model_path
@@ -138,10 +179,12 @@ def main() -> None:
         for dtype in args.dtypes.split(","):
             cache = Path(scratch) / f"cache-{dtype}"
             results = {variant: spawn(variant, folder, dtype, batches, args.threads, cache) for variant in VARIANTS}
-            report(dtype, batches, results)
+            report(dtype, batches, results, {batch: bytes_per_step(folder, dtype, batch) for batch in batches},
+                   bandwidth)
 
 
-def report(dtype: str, batches: list[int], results: dict) -> None:
+def report(dtype: str, batches: list[int], results: dict, step_bytes: dict[int, tuple[int, int]],
+           bandwidth: float) -> None:
     print(f"\n{dtype}")
     print("| batch | variant | first-call TTFT s | TTFT s | decode tok/s | graphs | recompiles after warm-up |")
     print("|---|---|---|---|---|---|---|")
@@ -158,6 +201,11 @@ def report(dtype: str, batches: list[int], results: dict) -> None:
         print(f"| {batch} | ratios | warm/cold first-call TTFT {warm / cold:.0%} | | "
               f"library/eager {library / eager:.2f}x, "
               f"library/recipe {library / recipe:.2f}x | | |")
+        weights, cache = step_bytes[batch]
+        roofline = bandwidth * 1e9 / (weights + cache)  # steps/s, i.e. tokens/s per sequence
+        print(f"| {batch} | roofline | {(weights + cache) / 1e6:.0f} MB a step ({weights / 1e6:.0f} weights, "
+              f"{cache / 1e6:.1f} KV cache) | | {roofline:.1f} (library at {library / roofline:.0%}; "
+              f"aggregate {library * batch:.1f} tok/s) | | |")
     for variant in ("library cold", "library warm"):
         cache = results[variant]["cache"]
         print(f"{variant}: compile cache {cache['hits']} hits, {cache['misses']} misses, "

@@ -135,6 +135,9 @@ def check_device_memory(model: PreTrainedModel, device: torch.device, name: str)
     """Refuses a model that cannot fit, before anything is loaded."""
     needed = _device_bytes(model)
     free, total = mem_get_info(device)
+    if needed > free:  # the blocks the caching allocator keeps for reuse are free too: return them, and ask again
+        torch.neuron.empty_cache()
+        free, total = mem_get_info(device)
     if needed > free:
         raise InsufficientDeviceMemoryError(
             f"{name} needs {_size(needed)} of device memory in {next(model.parameters()).dtype} but {device} has "

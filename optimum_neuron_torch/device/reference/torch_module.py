@@ -249,7 +249,9 @@ def reset_accumulated_memory_stats(device: _DeviceLike = None) -> None:
 
 
 def empty_cache() -> None:
-    """Nothing is cached: freed tensors return their memory at once."""
+    """Returns to the host the memory of freed tensors that the caching allocator keeps for reuse
+    (what `memory_reserved()` holds beyond `memory_allocated()`)."""
+    _torch.accelerator.empty_cache()
 
 
 def memory_summary(device: _DeviceLike = None, abbreviated: bool = False) -> str:

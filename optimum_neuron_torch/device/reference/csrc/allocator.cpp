@@ -1,12 +1,23 @@
-// Device memory: host memory with a fixed capacity per device and CUDA-style statistics,
-// plus the pinned host allocator that `Tensor.pin_memory()` uses.
+// Device memory: host memory with a fixed capacity per device and CUDA-style statistics, cached
+// for reuse as CUDA's and TorchNeuron's caching allocators do; plus the pinned host allocator that
+// `Tensor.pin_memory()` uses.
+//
+// Why a cache: fresh host memory page-faults on its first touch (the kernel zeroes each page), which
+// real device memory does not; a decode loop that frees and allocates the same shapes every step
+// would pay those faults every step. A freed block is kept and handed to the next allocation of
+// (about) its size; `empty_cache()` returns the kept blocks to the host, and so does an allocation
+// that would not fit the capacity otherwise. (Transparent huge pages were measured and not kept:
+// with the kernel's default `defrag=madvise`, faulting in advised memory compacts first, and a fresh
+// 2.3 GiB of device memory took 3-5 s to write instead of 0.6-1.6 s; benchmarks/RESULTS.md.)
 #include "neuron.h"
 
 #include <c10/core/impl/alloc_cpu.h>
 
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <mutex>
+#include <tuple>
 #include <unordered_set>
 
 namespace neuron {
@@ -15,39 +26,48 @@ namespace {
 using c10::CachingDeviceAllocator::DeviceStats;
 constexpr std::size_t kAggregate = static_cast<std::size_t>(c10::CachingAllocator::StatType::AGGREGATE);
 constexpr c10::DeviceIndex kMaxDevices = 64;
+// A cached block serves a request it exceeds by at most 1/kMaxSlack of the request.
+constexpr std::size_t kMaxSlack = 8;
 
 std::atomic<std::size_t> g_capacity{24ull << 30};
 
-// The context of every device allocation: its size and device for the statistics, and the
-// host memory itself (allocated here, or adopted from a CPU kernel's output), freed with it.
+// The context of every device allocation: the bytes asked for and the bytes held (the block's),
+// its device, and its memory: a block of this allocator's (kept for reuse when freed), or memory
+// adopted from a CPU kernel's output (returned to its owner when freed).
 struct Block {
   std::size_t nbytes;
+  std::size_t size;
   c10::DeviceIndex device;
-  c10::DataPtr host;
+  void* data;
+  c10::DataPtr adopted;
 };
 
 class NeuronAllocator final : public c10::DeviceAllocator {
  public:
   c10::DataPtr allocate(std::size_t nbytes) override {
     const c10::DeviceIndex device = current_device();
-    reserve(nbytes, device);
+    check_device_index(device);
     void* data = nullptr;
+    std::size_t size = 0;
     if (nbytes > 0) {
-      try {
-        data = c10::alloc_cpu(nbytes);
-      } catch (...) {
-        release(nbytes, device);
-        throw;
-      }
+      std::tie(data, size) = take_block(nbytes, device);
+    } else {
+      count_allocation(0, device);
     }
-    c10::DataPtr host(data, data, &c10::free_cpu, c10::Device(c10::kCPU));
-    return {data, new Block{nbytes, device, std::move(host)}, &delete_block, c10::Device(kNeuron, device)};
+    return {data, new Block{nbytes, size, device, data, c10::DataPtr()}, &delete_block,
+            c10::Device(kNeuron, device)};
   }
 
   c10::DataPtr adopt(c10::DataPtr&& host, std::size_t nbytes, c10::DeviceIndex device) {
-    reserve(nbytes, device);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      make_room(nbytes, nbytes, device);
+      count_segment(nbytes, device);
+    }
+    count_allocation(nbytes, device);
     void* data = host.get();
-    return {data, new Block{nbytes, device, std::move(host)}, &delete_block, c10::Device(kNeuron, device)};
+    return {data, new Block{nbytes, nbytes, device, data, std::move(host)}, &delete_block,
+            c10::Device(kNeuron, device)};
   }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
@@ -57,7 +77,14 @@ class NeuronAllocator final : public c10::DeviceAllocator {
   bool initialized() override {
     return true;
   }
-  void emptyCache(c10::MempoolId_t /*unused*/) override {} // nothing is cached
+
+  void emptyCache(c10::MempoolId_t /*unused*/) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (c10::DeviceIndex device = 0; device < kMaxDevices; ++device) {
+      release_cached(device);
+    }
+  }
+
   void recordStream(const c10::DataPtr& /*unused*/, c10::Stream /*unused*/) override {} // streams are synchronous
 
   DeviceStats getDeviceStats(c10::DeviceIndex device) override {
@@ -86,12 +113,13 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     }
   }
 
+  // (free, total): free is the capacity less what is reserved, cached blocks included.
   std::pair<std::size_t, std::size_t> getMemoryInfo(c10::DeviceIndex device) override {
     check_device_index(device);
     std::lock_guard<std::mutex> lock(mutex_);
     const std::size_t total = g_capacity.load();
-    const auto used = static_cast<std::size_t>(stats_[device].allocated_bytes[kAggregate].current);
-    return {used >= total ? 0 : total - used, total};
+    const std::size_t reserved = reserved_bytes(device);
+    return {reserved >= total ? 0 : total - reserved, total};
   }
 
  private:
@@ -100,53 +128,128 @@ class NeuronAllocator final : public c10::DeviceAllocator {
             &s.active_bytes, &s.requested_bytes};
   }
 
-  // Accounts for `nbytes` on `device`, or raises OutOfMemoryError when it does not fit.
-  void reserve(std::size_t nbytes, c10::DeviceIndex device) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    DeviceStats& s = stats_[device];
-    const std::size_t used = static_cast<std::size_t>(s.allocated_bytes[kAggregate].current);
+  std::size_t reserved_bytes(c10::DeviceIndex device) {
+    return static_cast<std::size_t>(stats_[device].reserved_bytes[kAggregate].current);
+  }
+
+  // A block of at least `nbytes` for `device`: a cached one that fits closely, else a new one.
+  std::pair<void*, std::size_t> take_block(std::size_t nbytes, c10::DeviceIndex device) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto& cached = cached_[device];
+      auto it = cached.lower_bound(nbytes);
+      if (it != cached.end() && it->first - nbytes <= nbytes / kMaxSlack) {
+        const std::pair<void*, std::size_t> block{it->second, it->first};
+        cached.erase(it);
+        count_allocation_locked(nbytes, device);
+        return block;
+      }
+      make_room(nbytes, nbytes, device);
+      count_segment(nbytes, device); // (reserved now, so that no other thread takes the room)
+    }
+    void* data = nullptr;
+    try {
+      data = c10::alloc_cpu(nbytes);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      uncount_segment(nbytes, device);
+      throw;
+    }
+    count_allocation(nbytes, device);
+    return {data, nbytes};
+  }
+
+  // Makes room for a new block of `size` bytes on `device` (asked for `nbytes`): returns the cached
+  // blocks to the host if that is what it takes, or raises OutOfMemoryError. Holds `mutex_`.
+  void make_room(std::size_t nbytes, std::size_t size, c10::DeviceIndex device) {
     const std::size_t total = g_capacity.load();
-    if (nbytes > total || used > total - nbytes) {
-      s.num_ooms += 1;
-      TORCH_CHECK_WITH(
-          OutOfMemoryError, false,
-          "neuron:", static_cast<int>(device), " out of memory: tried to allocate ", nbytes,
-          " bytes with ", used, " bytes allocated of a capacity of ", total, " bytes (",
-          (total > used ? total - used : 0), " bytes free). Free tensors you no longer need, use a "
-          "smaller dtype or batch, or raise the capacity with OPTIMUM_NEURON_TORCH_DEVICE_MEMORY.");
+    if (size <= total && reserved_bytes(device) <= total - size) {
+      return;
     }
-    for (auto* array : {&s.allocated_bytes, &s.reserved_bytes, &s.active_bytes, &s.requested_bytes}) {
-      (*array)[kAggregate].increase(nbytes);
+    release_cached(device);
+    const std::size_t reserved = reserved_bytes(device);
+    if (size <= total && reserved <= total - size) {
+      return;
     }
-    for (auto* array : {&s.allocation, &s.segment, &s.active}) {
-      (*array)[kAggregate].increase(1);
+    DeviceStats& s = stats_[device];
+    s.num_ooms += 1;
+    const auto allocated = static_cast<std::size_t>(s.allocated_bytes[kAggregate].current);
+    TORCH_CHECK_WITH(
+        OutOfMemoryError, false,
+        "neuron:", static_cast<int>(device), " out of memory: tried to allocate ", nbytes,
+        " bytes with ", allocated, " bytes allocated (", reserved, " reserved) of a capacity of ", total,
+        " bytes (", (total > reserved ? total - reserved : 0), " bytes free). Free tensors you no longer need, "
+        "use a smaller dtype or batch, or raise the capacity with OPTIMUM_NEURON_TORCH_DEVICE_MEMORY.");
+  }
+
+  // Returns the device's cached blocks to the host. Holds `mutex_`.
+  void release_cached(c10::DeviceIndex device) {
+    for (const auto& [size, data] : cached_[device]) {
+      c10::free_cpu(data);
+      uncount_segment(size, device);
     }
+    cached_[device].clear();
+  }
+
+  void count_segment(std::size_t size, c10::DeviceIndex device) {
+    DeviceStats& s = stats_[device];
+    s.reserved_bytes[kAggregate].increase(size);
+    s.segment[kAggregate].increase(1);
     s.num_device_alloc += 1;
   }
 
-  void release(std::size_t nbytes, c10::DeviceIndex device) {
-    std::lock_guard<std::mutex> lock(mutex_);
+  void uncount_segment(std::size_t size, c10::DeviceIndex device) {
     DeviceStats& s = stats_[device];
-    for (auto* array : {&s.allocated_bytes, &s.reserved_bytes, &s.active_bytes, &s.requested_bytes}) {
-      (*array)[kAggregate].decrease(nbytes);
+    s.reserved_bytes[kAggregate].decrease(size);
+    s.segment[kAggregate].decrease(1);
+    s.num_device_free += 1;
+  }
+
+  void count_allocation(std::size_t nbytes, c10::DeviceIndex device) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    count_allocation_locked(nbytes, device);
+  }
+
+  void count_allocation_locked(std::size_t nbytes, c10::DeviceIndex device) {
+    DeviceStats& s = stats_[device];
+    for (auto* array : {&s.allocated_bytes, &s.active_bytes, &s.requested_bytes}) {
+      (*array)[kAggregate].increase(nbytes);
     }
-    for (auto* array : {&s.allocation, &s.segment, &s.active}) {
+    for (auto* array : {&s.allocation, &s.active}) {
+      (*array)[kAggregate].increase(1);
+    }
+  }
+
+  // A freed block: kept for reuse (its own), or its memory returned to its owner (adopted).
+  void free_block(Block* block) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    DeviceStats& s = stats_[block->device];
+    for (auto* array : {&s.allocated_bytes, &s.active_bytes, &s.requested_bytes}) {
+      (*array)[kAggregate].decrease(block->nbytes);
+    }
+    for (auto* array : {&s.allocation, &s.active}) {
       (*array)[kAggregate].decrease(1);
     }
-    s.num_device_free += 1;
+    if (block->adopted) {
+      uncount_segment(block->size, block->device);
+      block->adopted.clear(); // (the owner's deleter, under the lock: it does not call back here)
+    } else if (block->data != nullptr) {
+      cached_[block->device].emplace(block->size, block->data);
+    }
   }
 
   static void delete_block(void* ctx);
 
   std::mutex mutex_;
   DeviceStats stats_[kMaxDevices];
+  std::multimap<std::size_t, void*> cached_[kMaxDevices]; // free blocks by size
 };
 
 NeuronAllocator g_allocator;
 
 void NeuronAllocator::delete_block(void* ctx) {
   auto* block = static_cast<Block*>(ctx);
-  g_allocator.release(block->nbytes, block->device);
+  g_allocator.free_block(block);
   delete block;
 }
 
