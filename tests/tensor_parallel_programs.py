@@ -138,6 +138,7 @@ def program_errors() -> None:
         corrupt, tp_size=WORLD), ont.errors.CheckpointError if RANK == 1 else ont.errors.RankFailedError,
         *(["model.safetensors"] if RANK == 1 else ["rank 1 failed: CheckpointError", "model.safetensors"]))
     # Rank 0 alone has too little device memory left: every rank raises before allocating anything.
+    torch.neuron.empty_cache()  # (blocks kept for reuse are free memory the check would reclaim)
     free = mem_get_info(torch.device("neuron", torch.neuron.current_device()))[0]
     filler = torch.empty(free - 4096, dtype=torch.uint8, device="neuron") if RANK == 0 else None
     check_raises("a rank without the device memory", lambda: ont.NeuronAutoModelForCausalLM.from_pretrained(
