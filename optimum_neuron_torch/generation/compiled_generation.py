@@ -156,7 +156,7 @@ class CompiledGeneration:
         for caches of state-space layers only, which Transformers gives no mask after the prompt."""
         if self._compiled_forward is None:
             self._compiled_forward = torch.compile(_call, **COMPILE_CONFIG.to_dict())
-        if inputs.get("attention_mask") is None and not self.encoder_decoder and not all(inputs["cache"].is_linear):
+        if inputs.get("attention_mask") is None and not self.encoder_decoder and not self.states_only:
             inputs["attention_mask"] = self._causal_mask(inputs["input_ids"], inputs["cache"],
                                                          inputs.get("position_ids"))
         return self._compiled_forward(self.model, **{name: _dense(value) for name, value in inputs.items()})
@@ -212,10 +212,11 @@ class CompiledGeneration:
                 ids = torch.full((batch, 1), token, dtype=torch.long, device=model.device)
                 with torch.no_grad():
                     model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True)
-            _length_read_as_a_value(cache.self_attention_cache if self.encoder_decoder else cache)
+            decoder_cache = cache.self_attention_cache if self.encoder_decoder else cache
+            _length_read_as_a_value(decoder_cache)
             if self.cache_length_as_scalar:
-                _scalar_cache_length(cache.self_attention_cache if self.encoder_decoder else cache)
-            if all(cache.is_linear):
+                _scalar_cache_length(decoder_cache)
+            if self.states_only:
                 _empty_length_known(cache)
             self._caches[key] = cache
         cache = self._caches[key]
