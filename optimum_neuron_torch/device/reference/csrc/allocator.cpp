@@ -39,7 +39,8 @@ struct Block {
   std::size_t size;
   c10::DeviceIndex device;
   void* data;
-  c10::DataPtr adopted;
+  bool adopted;
+  c10::DataPtr owner; // (adopted memory: its owner's pointer, which frees it)
 };
 
 class NeuronAllocator final : public c10::DeviceAllocator {
@@ -54,7 +55,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     } else {
       count_allocation(0, device);
     }
-    return {data, new Block{nbytes, size, device, data, c10::DataPtr()}, &delete_block,
+    return {data, new Block{nbytes, size, device, data, false, c10::DataPtr()}, &delete_block,
             c10::Device(kNeuron, device)};
   }
 
@@ -66,7 +67,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     }
     count_allocation(nbytes, device);
     void* data = host.get();
-    return {data, new Block{nbytes, nbytes, device, data, std::move(host)}, &delete_block,
+    return {data, new Block{nbytes, nbytes, device, data, true, std::move(host)}, &delete_block,
             c10::Device(kNeuron, device)};
   }
 
@@ -232,7 +233,7 @@ class NeuronAllocator final : public c10::DeviceAllocator {
     }
     if (block->adopted) {
       uncount_segment(block->size, block->device);
-      block->adopted.clear(); // (the owner's deleter, under the lock: it does not call back here)
+      block->owner.clear(); // (the owner's deleter, under the lock: it does not call back here)
     } else if (block->data != nullptr) {
       cached_[block->device].emplace(block->size, block->data);
     }
