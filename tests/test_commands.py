@@ -23,7 +23,7 @@ CHAT_TEMPLATE = (
 )
 PROMPT = "what is the capital of france?"
 NEW_TOKENS = 8
-BUCKETS = ("--batch-sizes", "1", "--prompt-buckets", "16", "--max-length", "64")
+BUCKETS = ("--batch-sizes", "1", "--prompt-buckets", "16", "--max-length", "64", "--context-buckets", "32")
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def cpu_greedy_text(folder: Path, inputs: dict[str, torch.Tensor]) -> str:
     (("generate",), ["prompt", "--model", "--max-new-tokens", "--do-sample", "--temperature", "--top-k", "--top-p",
                      "--seed", "--no-chat-template", "--system"]),
     (("check",), ["model", "--format", "--strict", "--no-patches", "--no-compile", "--sequence-length"]),
-    (("compile",), ["model", "--batch-sizes", "--prompt-buckets", "--max-length", "--save"]),
+    (("compile",), ["model", "--batch-sizes", "--prompt-buckets", "--max-length", "--context-buckets", "--save"]),
     (("cache",), ["list", "stats", "clear"]),
     (("cache", "list"), ["List the compiled graphs"]),
     (("cache", "stats"), ["Show where the compile cache is"]),
@@ -100,20 +100,22 @@ def test_generate_reads_the_prompt_from_stdin(chat_model, compiled):
 
 def test_compile_reports_its_graphs_and_saves_them_with_the_model(chat_model, compiled, tmp_path):
     stdout, cache, saved = compiled
-    assert "batch sizes [1], prompt buckets [16], max length 64" in stdout
-    # a prefill bucket, a decode step
-    assert "2 graphs compiled" in stdout and "0 loaded from the compile cache" in stdout
+    assert "batch sizes [1], prompt buckets [16], max length 64, context buckets [32, 64]" in stdout
+    # the prompt bucket's prefill (in context 32), a decode step per context bucket, and the chunk of a
+    # prompt of two chunks in the context 64
+    assert "4 graphs compiled" in stdout and "0 loaded from the compile cache" in stdout
     assert str(cache) in stdout
 
     spec = json.loads((saved / "neuron_generation.json").read_text())
-    assert spec["buckets"] == {"batch_sizes": [1], "prompt_buckets": [16], "max_length": 64}
+    assert spec["buckets"] == {"batch_sizes": [1], "prompt_buckets": [16], "max_length": 64,
+                               "context_buckets": [32, 64]}
     assert sorted(spec["graphs"]) == sorted(entry.key for entry in CompileCache(cache).entries())
     assert AutoTokenizer.from_pretrained(saved).get_vocab() == AutoTokenizer.from_pretrained(chat_model).get_vocab()
 
     # The saved folder arrives precompiled: its graphs join an empty cache and nothing compiles.
     again = optimum_cli("compile", str(saved), *BUCKETS, env={CACHE_ENV: str(tmp_path / "cache")})
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "0 graphs compiled" in again.stdout and "2 loaded from the compile cache" in again.stdout
+    assert "0 graphs compiled" in again.stdout and "4 loaded from the compile cache" in again.stdout
 
 
 def test_env_reports_backend_versions_devices_and_caches(tmp_path):

@@ -129,7 +129,7 @@ def test_a_model_saved_precompiled_arrives_precompiled(saved_llama, filled_cache
     done = run_python(code, env={CACHE_ENV: str(copy_of(filled_cache[0], tmp_path / "first"))})
     assert done.returncode == 0, done.stderr[-3000:]
     spec = json.loads((tmp_path / "precompiled" / "neuron_generation.json").read_text())
-    assert spec["buckets"] == {"batch_sizes": [1], "prompt_buckets": [16], "max_length": 64}
+    assert spec["buckets"] == {"batch_sizes": [1], "prompt_buckets": [16], "max_length": 64, "context_buckets": [64]}
     assert len(spec["graphs"]) == 2 and all((tmp_path / "precompiled" / "neuron_compiled" / key).is_dir()
                                             for key in spec["graphs"])
 

@@ -240,14 +240,70 @@ def test_buckets():
         Buckets((1,), (64,), 64)
 
 
+def test_context_buckets_default_to_the_cache_and_its_quarters_and_always_hold_the_cache():
+    assert Buckets((1,), (16,), 2048).context_buckets == (128, 512, 2048)
+    assert Buckets((1,), (16,), 1000).context_buckets == (250, 1000)
+    assert Buckets((1,), (16,), 511).context_buckets == (511,)
+    buckets = Buckets((1,), (16,), 96, (48, 24, 24))
+    assert buckets.context_buckets == (24, 48, 96)  # sorted, unique, the whole cache added
+    assert [buckets.context_bucket_for(length) for length in (1, 24, 25, 48, 49, 96)] == [24, 24, 48, 48, 96, 96]
+    assert Buckets.from_dict(buckets.to_dict()) == buckets
+    # Saved before context buckets: the default ones.
+    assert Buckets.from_dict({"batch_sizes": [1], "prompt_buckets": [16], "max_length": 2048}).context_buckets == (
+        128, 512, 2048)
+    with pytest.raises(Exception, match="context bucket 128 is above max_length"):
+        Buckets((1,), (16,), 96, (24, 128))
+    with pytest.raises(Exception, match="context_buckets must hold at least one positive size"):
+        Buckets((1,), (16,), 96, (0, 48))
+
+
 def test_prompt_buckets_have_one_name_and_the_old_one_still_reads_with_a_warning():
     buckets = Buckets((1,), (16, 64), 256)
-    assert buckets.to_dict() == {"batch_sizes": [1], "prompt_buckets": [16, 64], "max_length": 256}
+    assert buckets.to_dict() == {"batch_sizes": [1], "prompt_buckets": [16, 64], "max_length": 256,
+                                 "context_buckets": [256]}
     with pytest.warns(FutureWarning, match="Buckets.prompt_lengths is deprecated: use Buckets.prompt_buckets"):
         assert buckets.prompt_lengths == (16, 64)
     saved_before = {"batch_sizes": [1], "prompt_lengths": [64, 16], "max_length": 256}
     with pytest.warns(FutureWarning, match="name their prompt buckets `prompt_lengths`"):
         assert Buckets.from_dict(saved_before) == buckets
+
+
+def context_lengths(model) -> list[tuple[int, int]]:
+    """Records (query length, cache length attended over) of every compiled forward of `model`."""
+    seen, forward = [], model.neuron_generation.forward
+
+    def recording(**inputs):
+        seen.append((inputs["input_ids"].shape[1], inputs["cache"].layers[0].keys.shape[2]))
+        return forward(**inputs)
+
+    model.neuron_generation.forward = recording
+    return seen
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_each_step_attends_over_the_context_bucket_of_its_length(name, fresh_dynamo):
+    """Context buckets 24, 48 and the cache (96): every step reads the smallest bucket that holds the
+    sequence after it, from prefill to the cache's last slot, growing mid-generation over one shared
+    cache; tokens equal the CPU's; precompile() compiled every graph those calls meet. Gemma 2's
+    sliding-window layers become full layers, which the windows narrow too."""
+    buckets = Buckets((1, 2), (8, 16), 96, (24, 48))
+    cpu, model = compiled(name, buckets, **({"sliding_window": 6} if name == "gemma2" else {}))
+    model.precompile(show_progress=False)
+    # Per batch bucket: 2 prompt buckets' prefills (context 24), a decode step per context bucket, and a
+    # chunk of a two-chunk prompt (16 + 16 and more) in the contexts 48 and 96.
+    assert graphs() == 2 * (2 + 3 + 2) <= model.neuron_generation.graph_budget
+    compiled_graphs, seen = graphs(), context_lengths(model)
+    for length, new_tokens, batch in [(5, 88, 1), (33, 40, 2), (20, 4, 2)]:
+        ids = prompt(length, batch, seed=length)
+        settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, **GREEDY)
+        assert (model.generate(ids.to("neuron"), **settings).cpu().tolist()
+                == cpu.generate(ids, **settings).tolist()), (length, new_tokens)
+        padded, chunk = buckets.prompt_shape_for(length)
+        chunks = [(chunk, buckets.context_bucket_for(padded))] * (padded // chunk)
+        steps = [(1, buckets.context_bucket_for(padded + step)) for step in range(1, new_tokens)]
+        assert seen == chunks + steps, (length, seen[:len(chunks) + 2])
+        seen.clear()
+    assert (graphs(), recompiles()) == (compiled_graphs, 0)
 
 
 def test_a_cache_filled_exactly_stays_compiled_and_one_past_falls_back(llama):

@@ -21,7 +21,7 @@ from .models import load_generative_model
 def compile_model(model_id: str, batch_sizes: tuple[int, ...] | None = None,
                   prompt_buckets: tuple[int, ...] | None = None,
                   max_length: int | None = None, save: str | os.PathLike[str] | None = None,
-                  tp_size: int = 1) -> None:
+                  tp_size: int = 1, context_buckets: tuple[int, ...] | None = None) -> None:
     """Runs `model.precompile()` for these buckets (None: the model's own), with its progress bar,
     prints how many graphs were compiled and how many were loaded from the cache, and saves the
     model, its compiled graphs and its tokenizer (when it has one) in `save`. With `tp_size`
@@ -29,7 +29,7 @@ def compile_model(model_id: str, batch_sizes: tuple[int, ...] | None = None,
     model = load_generative_model(model_id, tp_size)
     first = is_first_rank()
     reset_cache_stats()
-    model.precompile(batch_sizes, prompt_buckets, max_length, show_progress=first)
+    model.precompile(batch_sizes, prompt_buckets, max_length, show_progress=first, context_buckets=context_buckets)
     if save is not None:
         model.save_pretrained(save)  # (under tensor parallelism, every rank: each saves its graphs)
     if not first:
@@ -37,7 +37,8 @@ def compile_model(model_id: str, batch_sizes: tuple[int, ...] | None = None,
     stats, buckets = cache_stats(), model.neuron_generation.buckets
     print(f"{type(model).__name__}: batch sizes {list(buckets.batch_sizes)}, "
           f"prompt buckets {list(buckets.prompt_buckets)}, "
-          f"max length {buckets.max_length}" + (f", split between {tp_size} ranks" if tp_size > 1 else ""))
+          f"max length {buckets.max_length}, context buckets {list(buckets.context_buckets)}"
+          + (f", split between {tp_size} ranks" if tp_size > 1 else ""))
     if backend_info().name == "torchneuron":
         print(f"graphs compiled by TorchNeuron, in its NEFF cache: {neff_cache_dir()}")
     else:

@@ -1,5 +1,5 @@
-"""The fixed set of shapes compiled generation runs: batch-size buckets, prompt-length buckets and
-one KV cache length."""
+"""The fixed set of shapes compiled generation runs: batch-size buckets, prompt-length buckets,
+context-length buckets and one KV cache length."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from ..errors import ConfigurationError
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 DEFAULT_MAX_LENGTH = 2048
 SMALLEST_PROMPT_BUCKET = 16
+# Default context buckets: the cache length, then a quarter of it, down to this size. Each one is a
+# decode graph per batch size; a step attends over (and reads) its bucket's keys and values only.
+SMALLEST_CONTEXT_BUCKET = 128
 # The names configs give their context length (the longest sequence their positions cover), most common first.
 CONTEXT_LENGTH_NAMES = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx")
 
@@ -22,14 +25,20 @@ CONTEXT_LENGTH_NAMES = ("max_position_embeddings", "n_positions", "max_seq_len",
 class Buckets:
     """Every batch is padded to a batch size in `batch_sizes`; every prompt is left-padded to a
     length in `prompt_buckets`, or to a multiple of the largest one and prefilled in chunks of
-    it; the KV cache holds `max_length` tokens (padded prompt plus new tokens)."""
+    it; the KV cache holds `max_length` tokens (padded prompt plus new tokens). Each forward
+    attends over the smallest of the `context_buckets` that holds the sequence so far (its keys
+    and values only are read), so a short sequence costs what its length costs; `max_length` is
+    always the last one. None: the default, `max_length` and its quarters down to 128."""
 
     batch_sizes: tuple[int, ...]
     prompt_buckets: tuple[int, ...]
     max_length: int
+    context_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("batch_sizes", "prompt_buckets"):
+        if self.context_buckets is None:
+            object.__setattr__(self, "context_buckets", default_context_buckets(self.max_length))
+        for name in ("batch_sizes", "prompt_buckets", "context_buckets"):
             values = tuple(sorted(set(int(value) for value in getattr(self, name))))
             if not values or values[0] < 1:
                 raise ConfigurationError(f"{name} must hold at least one positive size, got {getattr(self, name)!r}.")
@@ -39,11 +48,17 @@ class Buckets:
                 f"the largest prompt bucket ({self.prompt_buckets[-1]}) must be below max_length ({self.max_length}), "
                 "to leave room for new tokens."
             )
+        if self.context_buckets[-1] > self.max_length:
+            raise ConfigurationError(f"context bucket {self.context_buckets[-1]} is above max_length "
+                                     f"({self.max_length}), the length of the KV cache they are parts of.")
+        if self.context_buckets[-1] != self.max_length:  # (the cache's whole length is always one)
+            object.__setattr__(self, "context_buckets", (*self.context_buckets, self.max_length))
 
     @classmethod
     def default(cls, config: PretrainedConfig, max_length: int | None = None) -> Buckets:
         """Batch sizes 1, 2, 4, 8; prompt buckets 16, 64, 256, ... (x4) up to half the cache; a
-        cache of the model's context length, capped at 2048."""
+        cache of the model's context length, capped at 2048; context buckets of the cache's length
+        and its quarters down to 128 (see `default_context_buckets`)."""
         text_config = config.get_text_config(decoder=True)
         context = next((getattr(text_config, name) for name in CONTEXT_LENGTH_NAMES
                         if isinstance(getattr(text_config, name, None), int)), DEFAULT_MAX_LENGTH)
@@ -66,6 +81,10 @@ class Buckets:
         chunk = self.prompt_buckets[-1]
         return -(-prompt_length // chunk) * chunk, chunk
 
+    def context_bucket_for(self, length: int) -> int:
+        """The smallest context bucket that holds `length` tokens (`max_length` at most)."""
+        return next((bucket for bucket in self.context_buckets if bucket >= length), self.max_length)
+
     @property
     def prompt_lengths(self) -> tuple[int, ...]:
         """Deprecated name of `prompt_buckets`."""
@@ -85,4 +104,15 @@ class Buckets:
                           "0.1.0.dev0 did: read as `prompt_buckets` (save the model again to update the file).",
                           FutureWarning, stacklevel=2)
             values = {**values, "prompt_buckets": values["prompt_lengths"]}
-        return cls(tuple(values["batch_sizes"]), tuple(values["prompt_buckets"]), int(values["max_length"]))
+        context = values.get("context_buckets")  # (absent from folders saved before context buckets)
+        return cls(tuple(values["batch_sizes"]), tuple(values["prompt_buckets"]), int(values["max_length"]),
+                   tuple(context) if context is not None else None)
+
+
+def default_context_buckets(max_length: int) -> tuple[int, ...]:
+    """`max_length`, then a quarter of it, and so on while at least `SMALLEST_CONTEXT_BUCKET`:
+    2048 -> (128, 512, 2048); a cache shorter than 512 is one bucket."""
+    buckets = [max_length]
+    while buckets[0] // 4 >= SMALLEST_CONTEXT_BUCKET:
+        buckets.insert(0, buckets[0] // 4)
+    return tuple(buckets)

@@ -1,19 +1,21 @@
 """generate() on a fixed set of compiled static-shape graphs.
 
 Transformers' own `generate()` runs the decoding loop (logits processors, sampling, stopping
-criteria, streamers, output classes); this module only chooses its shapes. Every call is padded
-to a batch bucket and a prompt bucket and given one static KV cache of fixed length per batch
-bucket, and every forward of the loop goes through one compiled function: prefill as Transformers'
-chunked prefill with the bucket as chunk size, then one decode step at a time. So the graphs are
-one per (batch bucket, prompt bucket) plus one decode graph per batch bucket, whatever the prompt
-length or `max_new_tokens`. (Decoders that number positions by cache slot, whose outputs left
-padding would change, keep their prompts' lengths: each prompt length compiles a prefill graph of
-its own.) Encoder-decoders run a compiled encoder per (batch, prompt bucket) and a compiled
-decode step per (batch, prompt bucket); their first decoder step (one token, which fills the
-cross-attention cache) runs eagerly, because Transformers' chunked prefill, the path that would
-compile it, slices the encoder's attention mask as if it were the decoder's. What it cannot
-serve this way runs Transformers' eager `generate()`, with a warning once per reason; so does,
-from its first call on, a model whose compiled path fails (see `CompiledGeneration._degrade`).
+criteria, streamers, output classes); this module only chooses its shapes. Every call is padded to
+a batch bucket and a prompt bucket and given one static KV cache of fixed length per batch bucket,
+and every forward of the loop goes through one compiled function: prefill as Transformers' chunked
+prefill with the bucket as chunk size, then one decode step at a time, each attending over the
+smallest context bucket of the cache that holds the sequence so far (see `context_windows`). So the
+graphs are one per (batch bucket, prompt bucket) plus one decode graph per (batch bucket, context
+bucket), whatever the prompt length or `max_new_tokens`. (Decoders that number positions by cache
+slot, whose outputs left padding would change, keep their prompts' lengths: each prompt length
+compiles a prefill graph of its own.) Encoder-decoders run a compiled encoder per (batch, prompt
+bucket) and a compiled decode step per (batch, prompt bucket); their first decoder step (one token,
+which fills the cross-attention cache) runs eagerly, because Transformers' chunked prefill, the
+path that would compile it, slices the encoder's attention mask as if it were the decoder's. What
+it cannot serve this way runs Transformers' eager `generate()`, with a warning once per reason; so
+does, from its first call on, a model whose compiled path fails (see
+`CompiledGeneration._degrade`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from transformers.modeling_outputs import BaseModelOutput
 from ..compiler.dynamo_backend import recording_cache_keys
 from ..errors import CollectiveError, InsufficientDeviceMemoryError, NeuronTorchError, RankFailedError, first_line
 from .buckets import Buckets
+from .context_windows import ContextWindows
 from .padding import (
     PaddingRowsDone,
     PromptStreamed,
@@ -108,6 +111,9 @@ class CompiledGeneration:
         self.cache_keys: set[str] = set()  # compile-cache entries of this model's graphs
         self.active = False  # inside a compiled generate(): get_compiled_call() answers with `forward`
         self._caches: dict[tuple[int, int], StaticCache | EncoderDecoderCache] = {}
+        self._windows: dict[tuple[int, int], ContextWindows] = {}  # the caches with context buckets
+        self._prompt_length = 0  # the padded prompt of the call running
+        self._context_floors = (0, 0)  # precompile(): the smallest context of (prefill, decode) steps
         self._compiled_forward: Callable[..., Any] | None = None
         self._compiled_encoder: Callable[..., Any] | None = None
         self._warned: set[str] = set()
@@ -118,10 +124,13 @@ class CompiledGeneration:
     @property
     def graph_budget(self) -> int:
         """The most graphs this bucket set can need (Dynamo's recompile limit is raised to it): per
-        batch bucket, a prefill per prompt bucket and a decode step; for encoder-decoders, an
-        encoder and a decode step per encoder bucket."""
-        per_prompt_bucket = 2 if self.encoder_decoder else 1
-        return len(self.buckets.batch_sizes) * (len(self.buckets.prompt_buckets) * per_prompt_bucket + 1)
+        batch bucket, a prefill per prompt bucket and, per context bucket, a decode step and a
+        prefill chunk of a prompt longer than the largest bucket; for encoder-decoders, an encoder
+        and a decode step per encoder bucket, and a decode step."""
+        if self.encoder_decoder:
+            return len(self.buckets.batch_sizes) * (len(self.buckets.prompt_buckets) * 2 + 1)
+        buckets = self.buckets
+        return len(buckets.batch_sizes) * (len(buckets.prompt_buckets) + 2 * len(buckets.context_buckets))
 
     @functools.cached_property
     def states_only(self) -> bool:
@@ -144,9 +153,13 @@ class CompiledGeneration:
         return self.model.get_input_embeddings().num_embeddings
 
     def set_buckets(self, buckets: Buckets) -> None:
-        if buckets.max_length != self.buckets.max_length:
-            self._caches.clear()
+        if (buckets.max_length, buckets.context_buckets) != (self.buckets.max_length, self.buckets.context_buckets):
+            self._release_caches()
         self.buckets = buckets
+
+    def _release_caches(self) -> None:
+        self._caches.clear()
+        self._windows.clear()
 
     # The compiled functions -------------------------------------------------------------------
     def forward(self, **inputs: Any) -> Any:
@@ -163,15 +176,18 @@ class CompiledGeneration:
 
     def _causal_mask(self, input_ids: torch.Tensor, cache: StaticCache, position_ids: torch.Tensor | None) -> Any:
         """The masks Transformers' generate() builds for a compiled forward, for a sequence without
-        padding. The 2D mask covers the whole cache: its "future" slots, masked by causality anyway,
-        are ones, which keeps Transformers from skipping the mask in favour of SDPA's `is_causal`."""
+        padding. The 2D mask covers the cache (its context bucket): its "future" slots, masked by
+        causality anyway, are ones, which keeps Transformers from skipping the mask in favour of
+        SDPA's `is_causal`."""
         model = self.model
         make_masks = getattr(model, "create_masks_for_generate", create_masks_for_generate)
         batch, length = input_ids.shape
+        windows = self._windows_of(cache)
+        width = windows.length if windows is not None else self.buckets.max_length
         return make_masks(
             config=model.config,
             inputs_embeds=torch.empty((batch, length, 0), dtype=model.dtype, device=input_ids.device),
-            attention_mask=torch.ones((batch, self.buckets.max_length), dtype=torch.long, device=input_ids.device),
+            attention_mask=torch.ones((batch, width), dtype=torch.long, device=input_ids.device),
             cache=cache,
             position_ids=position_ids,
         )
@@ -219,9 +235,28 @@ class CompiledGeneration:
             if self.states_only:
                 _empty_length_known(cache)
             self._caches[key] = cache
+            if (not self.encoder_decoder and len(self.buckets.context_buckets) > 1
+                    and ContextWindows.fit_for(cache)):
+                self._windows[key] = ContextWindows(cache, self.buckets.context_buckets)
         cache = self._caches[key]
+        if key in self._windows:
+            self._windows[key].use(self.buckets.max_length)  # (reset below zeroes the whole cache)
         cache.reset()
         return cache
+
+    def _windows_of(self, cache: Any) -> ContextWindows | None:
+        return next((windows for windows in self._windows.values() if windows.cache is cache), None)
+
+    def fit_context(self, cache: Any, input_ids: torch.Tensor, decoding: bool) -> None:
+        """Before Transformers prepares a forward's inputs (which sizes the attention mask by the
+        cache): gives a cache with context buckets the smallest bucket that holds the sequence after
+        this forward. A decode step gets the whole sequence so far (on the host); every prefill
+        chunk holds the padded prompt's bucket, so that a chunk's graph does not depend on its place."""
+        windows = self._windows_of(cache)
+        if windows is not None:
+            prefill_floor, decode_floor = self._context_floors
+            windows.use(max(input_ids.shape[-1], decode_floor) if decoding
+                        else max(self._prompt_length, prefill_floor))
 
     # generate() --------------------------------------------------------------------------------
     def generate(self, transformers_generate: Callable[..., Any], inputs: torch.Tensor | None = None,
@@ -243,6 +278,7 @@ class CompiledGeneration:
             self._warn_once(shapes)
             return transformers_generate(input_ids, generation_config, **kwargs)
         call_kwargs: dict[str, Any] = {}
+        self._prompt_length = shapes.padded
         try:
             call_kwargs = self._padded_call(input_ids, config, shapes, kwargs)
             with self._serving():
@@ -253,7 +289,7 @@ class CompiledGeneration:
             streamer = call_kwargs.get("streamer")
             if not self.cache_length_as_scalar and _sizes_by_cache_length(error):
                 self.cache_length_as_scalar = True  # (see `_scalar_cache_length`) and once more
-                self._caches.clear()
+                self._release_caches()
                 return self.generate(transformers_generate, input_ids, generation_config,
                                      **_prompt_streamed(kwargs, streamer))
             return self._degrade(error, transformers_generate, input_ids, generation_config, kwargs, streamer)
@@ -267,7 +303,7 @@ class CompiledGeneration:
         generate(). If that fails too, the error is the call's own (a bad input) and is raised as
         eager generation raises it; if it succeeds, the model cannot generate compiled, and does
         so eagerly from now on, with one warning that says why and what would change it."""
-        self._caches.clear()  # release the static caches (device memory)
+        self._release_caches()  # (device memory)
         output = transformers_generate(input_ids, generation_config, **_prompt_streamed(kwargs, streamer))
         self.unservable = _why_not_compiled(error, self.model)
         self._warn_once(*self.unservable)
@@ -395,14 +431,29 @@ class CompiledGeneration:
 
     # precompile() ------------------------------------------------------------------------------
     def precompile(self, show_progress: bool = True) -> None:
-        """Compiles (or loads from the compile cache) every graph of the bucket set."""
-        combinations = [(batch, length) for batch in self.buckets.batch_sizes
-                        for length in self.buckets.prompt_buckets]
+        """Compiles (or loads from the compile cache) every graph of the bucket set: per batch
+        bucket, a prompt of each prompt bucket and, when the cache has context buckets, a decode
+        step in each (a short prompt whose decode steps are held to the bucket: the graph a longer
+        sequence meets there) and a prefill chunk in each that a prompt of several chunks can need
+        (two chunks, held to the bucket)."""
+        buckets = self.buckets
+        runs = [(batch, length, (0, 0)) for batch in buckets.batch_sizes for length in buckets.prompt_buckets]
+        if not self.encoder_decoder and len(buckets.context_buckets) > 1:
+            chunk = buckets.prompt_buckets[-1]
+            for batch in buckets.batch_sizes:
+                runs += [(batch, buckets.prompt_buckets[0], (0, context)) for context in buckets.context_buckets]
+                if 2 * chunk + 2 <= buckets.max_length and not self.states_only:  # (and 2 new tokens)
+                    runs += [(batch, 2 * chunk, (context, 0)) for context in buckets.context_buckets
+                             if context >= buckets.context_bucket_for(2 * chunk)]
         token = pad_token_id(self.model.generation_config, self._vocab_size)
-        for batch, length in tqdm(combinations, desc="Compiling neuron graphs", disable=not show_progress):
+        for batch, length, floors in tqdm(runs, desc="Compiling neuron graphs", disable=not show_progress):
             ids = torch.full((batch, length), token, dtype=torch.long, device=self.model.device)
-            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
-                                do_sample=False)
+            self._context_floors = floors
+            try:
+                self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
+                                    do_sample=False)
+            finally:
+                self._context_floors = (0, 0)
 
 
 def _why_no_static_cache(model: PreTrainedModel) -> tuple[str, str] | None:

@@ -34,16 +34,31 @@ class NeuronGenerationMixin:
             return self.neuron_generation.generate(super().generate, inputs, generation_config, **kwargs)
 
     def precompile(self, batch_sizes: tuple[int, ...] | None = None, prompt_buckets: tuple[int, ...] | None = None,
-                   max_length: int | None = None, show_progress: bool = True) -> None:
+                   max_length: int | None = None, show_progress: bool = True,
+                   context_buckets: tuple[int, ...] | None = None) -> None:
         """Compiles every graph generation needs, for these buckets (kept for later calls and
-        saved by `save_pretrained`); graphs already in the compile cache are loaded instead."""
+        saved by `save_pretrained`); graphs already in the compile cache are loaded instead. A
+        bucket set not given stays as it is, except context buckets, which follow a new
+        `max_length` (see `Buckets`)."""
         current = self.neuron_generation.buckets
+        max_length = max_length or current.max_length
+        if context_buckets is None and max_length == current.max_length:
+            context_buckets = current.context_buckets
         self.neuron_generation.set_buckets(Buckets(
             batch_sizes or current.batch_sizes,
             prompt_buckets or current.prompt_buckets,
-            max_length or current.max_length,
+            max_length,
+            context_buckets,
         ))
         self.neuron_generation.precompile(show_progress)
+
+    def prepare_inputs_for_generation(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Transformers' (or the model's own), after giving the cache the context bucket of this
+        forward (see `CompiledGeneration.fit_context`), whose length sizes the attention mask."""
+        if self.neuron_generation.active:
+            self.neuron_generation.fit_context(kwargs.get("cache"), input_ids,
+                                               decoding=kwargs.get("next_sequence_length") == 1)
+        return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
 
     def get_compiled_call(self, compile_config: CompileConfig | None) -> Callable[..., Any]:
         if self.neuron_generation.active:

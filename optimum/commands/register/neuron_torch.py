@@ -158,6 +158,10 @@ class CompileCommand(_LibraryCommand):
                             help="Prompt-length buckets, comma-separated, e.g. 16,64 (default: the model's).")
         parser.add_argument("--max-length", type=int,
                             help="KV cache length: padded prompt plus new tokens (default: the model's).")
+        parser.add_argument("--context-buckets", type=_sizes,
+                            help="Context-length buckets of the cache a step attends over, comma-separated, "
+                                 "e.g. 128,512 (max-length is always one; default: the model's, or max-length "
+                                 "and its quarters down to 128 with a new max-length).")
         parser.add_argument("--save", metavar="DIR",
                             help="Save the model (and its tokenizer) with its compiled graphs in DIR.")
         _add_tp_size(parser)
@@ -173,7 +177,7 @@ class CompileCommand(_LibraryCommand):
         if self.args.tp_size > 1 and not launched():
             return launch(self.args.tp_size, sys.argv[1:])
         compile_model(self.args.model, self.args.batch_sizes, self.args.prompt_buckets, self.args.max_length,
-                      self.args.save, self.args.tp_size)
+                      self.args.save, self.args.tp_size, self.args.context_buckets)
         return 0
 
 
