@@ -451,7 +451,8 @@ def test_bucket_lookup_boundaries_and_round_trip():
     assert [buckets.prompt_shape_for(n) for n in (1, 16, 17, 64, 65, 128, 129)] == [
         (16, 16), (16, 16), (64, 64), (64, 64), (128, 64), (128, 64), (192, 64)]
     assert Buckets((1,), (16, 64, 256), 512).prompt_shape_for(300) == (512, 256)  # chunks of the largest bucket
-    assert buckets.to_dict() == {"batch_sizes": [1, 4], "prompt_buckets": [16, 64], "max_length": 256}
+    assert buckets.to_dict() == {"batch_sizes": [1, 4], "prompt_buckets": [16, 64], "max_length": 256,
+                                 "context_buckets": [256]}
     assert Buckets.from_dict({"batch_sizes": [4, 1], "prompt_buckets": [64, 16], "max_length": "256"}) == buckets
 
 
