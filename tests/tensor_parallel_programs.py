@@ -174,6 +174,31 @@ def program_save() -> None:
     check("its graphs came from the folder (nothing compiled)", cache_stats().misses - before.misses, 0)
 
 
+def program_context() -> None:
+    """Context buckets under tensor parallelism: every rank narrows its cache shard to the same bucket at
+    each step, from the same host-side lengths; a generation growing through every bucket equals the CPU's."""
+    model = ont.NeuronAutoModelForCausalLM.from_pretrained(MODELS / "llama", tp_size=WORLD)
+    model.precompile(batch_sizes=(1,), prompt_buckets=(16,), max_length=96, context_buckets=(24, 48),
+                     show_progress=False)
+    reference = AutoModelForCausalLM.from_pretrained(MODELS / "llama").eval()
+    greedy = dict(max_new_tokens=70, min_new_tokens=70, do_sample=False)
+    before = cache_stats()
+    torch._dynamo.utils.counters.clear()
+    contexts, forward = [], model.neuron_generation.forward
+
+    def recording(**inputs):
+        contexts.append(inputs["cache"].layers[0].keys.shape[2])
+        return forward(**inputs)
+
+    model.neuron_generation.forward = recording
+    tokens = model.generate(PROMPT[:1].to("neuron"), **greedy).cpu()
+    # 9 tokens padded to 16: the prefill and the 8 decode steps up to 24 tokens attend over 24 slots, then 48, 96.
+    check("context buckets: the steps' contexts", contexts, [24] * 9 + [48] * 24 + [96] * 37)
+    check("context buckets: tokens through every bucket", tokens, reference.generate(PROMPT[:1], **greedy))
+    check("context buckets: nothing compiled after precompile()",
+          (cache_stats().misses - before.misses, sum(torch._dynamo.utils.counters["recompiles"].values())), (0, 0))
+
+
 def program_pipeline() -> None:
     """`pipeline("text-generation", tp_size=N)` inside the job: every rank gets the CPU pipeline's text."""
     from transformers import pipeline as transformers_pipeline

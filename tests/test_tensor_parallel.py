@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from testing_utils import failures, launch, launcher_environment, optimum_cli, rank_checks, start_ranks
+from testing_utils import failures, launch, launcher_environment, names, optimum_cli, rank_checks, start_ranks
 from tiny_models import TENSOR_PARALLEL_MODELS, TINY_MODELS
 
 PROGRAMS = Path(__file__).with_name("tensor_parallel_programs.py")
@@ -58,7 +58,8 @@ def _models(folder: Path) -> Path:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[list[dict]]:
     models = _models(tmp_path_factory.mktemp("models2"))
-    return run_programs(tmp_path_factory.mktemp("two_ranks"), models, 2, "models", "errors", "save", "pipeline")
+    return run_programs(tmp_path_factory.mktemp("two_ranks"), models, 2, "models", "errors", "save", "pipeline",
+                        "context")
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +73,9 @@ def _checked(checks: list[list[dict]], name: str) -> set[str]:
             if check["program"] == "models" and check["name"].startswith(f"{name}: ")}
 
 
-@pytest.mark.parametrize("program", ["models", "errors", "save", "pipeline"])
+@pytest.mark.parametrize("program", ["models", "errors", "save", "pipeline", "context"])
 def test_two_ranks(two_ranks, program):
+    assert names(two_ranks, program), f"program {program!r} made no check"
     assert not failures(two_ranks, program)
 
 
