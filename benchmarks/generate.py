@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 NEW_TOKENS = 64
 PROMPT = 32
@@ -120,20 +121,20 @@ def read_bandwidth(threads: int, repeats: int = 5) -> float:
     return tensor.nbytes / best / 1e9
 
 
-def context_length(folder: str | Path) -> int:
-    """The context bucket the library's decode steps attend over with its default buckets."""
+def default_buckets(folder: str | Path) -> tuple[Any, int]:
+    """The library's default buckets for the model, and the context bucket its decode steps attend over."""
     from transformers import AutoConfig
 
     from optimum_neuron_torch.generation import Buckets
 
     buckets = Buckets.default(AutoConfig.from_pretrained(folder))
-    return buckets.context_bucket_for(buckets.prompt_shape_for(PROMPT)[0] + NEW_TOKENS)
+    return buckets, buckets.context_bucket_for(buckets.prompt_shape_for(PROMPT)[0] + NEW_TOKENS)
 
 
-def bytes_per_step(folder: str | Path, dtype_name: str, batch: int) -> tuple[int, int]:
+def bytes_per_step(folder: str | Path, dtype_name: str, batch: int, context: int) -> tuple[int, int]:
     """(weight bytes, KV-cache bytes) one decode step of the library reads at `batch`: every weight but
-    the input embedding (one row of it is read) unless the output layer shares it, and the static
-    cache of the context bucket the steps attend over."""
+    the input embedding (one row of it is read) unless the output layer shares it, and `context`
+    slots of the static cache (the context bucket the steps attend over)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -145,8 +146,7 @@ def bytes_per_step(folder: str | Path, dtype_name: str, batch: int) -> tuple[int
     unique = {id(p): p for p in model.parameters() if p is not embedding or p is output}
     weights = sum(p.numel() * p.element_size() for p in unique.values())
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    cache = (2 * config.num_hidden_layers * batch * config.num_key_value_heads * head_dim * context_length(folder)
-             * dtype.itemsize)
+    cache = (2 * config.num_hidden_layers * batch * config.num_key_value_heads * head_dim * context * dtype.itemsize)
     return weights, cache
 
 
@@ -192,18 +192,13 @@ def main() -> None:
             folder = Path(scratch) / "llama"
             torch.manual_seed(0)
             LlamaForCausalLM(LlamaConfig(**MODELS[args.model], max_position_embeddings=2048)).save_pretrained(folder)
-        from transformers import AutoConfig
-
-        from optimum_neuron_torch.generation import Buckets
-
-        buckets = Buckets.default(AutoConfig.from_pretrained(folder))
-        print(f"library buckets (defaults): {buckets}; the steps attend over the context bucket "
-              f"{context_length(folder)}")
+        buckets, context = default_buckets(folder)
+        print(f"library buckets (defaults): {buckets}; the steps attend over the context bucket {context}")
         for dtype in args.dtypes.split(","):
             cache = Path(scratch) / f"cache-{dtype}"
             results = {variant: spawn(variant, folder, dtype, batches, args.threads, cache) for variant in VARIANTS}
-            report(dtype, batches, results, {batch: bytes_per_step(folder, dtype, batch) for batch in batches},
-                   bandwidth)
+            step_bytes = {batch: bytes_per_step(folder, dtype, batch, context) for batch in batches}
+            report(dtype, batches, results, step_bytes, bandwidth)
 
 
 def report(dtype: str, batches: list[int], results: dict, step_bytes: dict[int, tuple[int, int]],

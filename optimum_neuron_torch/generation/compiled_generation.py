@@ -127,9 +127,9 @@ class CompiledGeneration:
         batch bucket, a prefill per prompt bucket and, per context bucket, a decode step and a
         prefill chunk of a prompt longer than the largest bucket; for encoder-decoders, an encoder
         and a decode step per encoder bucket, and a decode step."""
-        if self.encoder_decoder:
-            return len(self.buckets.batch_sizes) * (len(self.buckets.prompt_buckets) * 2 + 1)
         buckets = self.buckets
+        if self.encoder_decoder:
+            return len(buckets.batch_sizes) * (len(buckets.prompt_buckets) * 2 + 1)
         return len(buckets.batch_sizes) * (len(buckets.prompt_buckets) + 2 * len(buckets.context_buckets))
 
     @functools.cached_property
@@ -255,8 +255,8 @@ class CompiledGeneration:
         windows = self._windows_of(cache)
         if windows is not None:
             prefill_floor, decode_floor = self._context_floors
-            windows.use(max(input_ids.shape[-1], decode_floor) if decoding
-                        else max(self._prompt_length, prefill_floor))
+            length = max(input_ids.shape[-1], decode_floor) if decoding else max(self._prompt_length, prefill_floor)
+            windows.use(self.buckets.context_bucket_for(length))
 
     # generate() --------------------------------------------------------------------------------
     def generate(self, transformers_generate: Callable[..., Any], inputs: torch.Tensor | None = None,

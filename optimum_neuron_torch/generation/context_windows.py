@@ -39,15 +39,13 @@ class ContextWindows:
         return bool(cache.layers) and all(type(layer) is StaticLayer and layer.is_initialized
                                           for layer in cache.layers)
 
-    def use(self, length: int) -> int:
-        """Gives every layer the window of the smallest bucket that holds `length` tokens (the
-        whole cache at most) and returns that bucket."""
-        bucket = next((bucket for bucket in self.buckets if bucket >= length), self.buckets[-1])
+    def use(self, bucket: int) -> None:
+        """Gives every layer the window of `bucket`, one of the buckets (see
+        `Buckets.context_bucket_for` for the one a length needs)."""
         if bucket != self.length:
             for layer, (keys, values) in zip(self.cache.layers, self._views[bucket], strict=True):
                 layer.keys, layer.values, layer.max_cache_len = keys, values, bucket
             self.length = bucket
-        return bucket
 
 
 def _window(layer: StaticLayer, length: int) -> tuple[torch.Tensor, torch.Tensor]:
