@@ -1,16 +1,15 @@
 #!/usr/bin/env python
 """What bounds batch-1 decode on the CPU: matrix-vector products against the read bandwidth.
 
-A decode step of one sequence multiplies one activation row by every weight matrix: it should read
+A decode step of a few sequences multiplies one activation row by every weight matrix: it should read
 the weights at the memory's speed. For each weight shape of SmolLM2-135M (the library's default
 model) this measures, on a pool of ~200 MB of distinct matrices (so that no product is served from
 the CPU's caches), in GB/s of weights read:
 - `sum()` of each matrix: the read speed of the same bytes (the limit);
 - `x @ W.t()` with W stored [out, in], as `F.linear` and the compiled graph run it (BLAS);
 - `x @ W_t` with the weights stored [in, out];
-- a row-at-a-time AVX2 dot-product kernel (one contiguous stream, 4 accumulators), built here with
-  `torch.utils.cpp_extension.load_inline` for this measurement only: what a kernel written for the
-  shape reaches. (Needs a C++ compiler and an AVX2 CPU.)
+- `x @ W.t()` on the `neuron` device: on the reference device, its decode-product kernel (one pass
+  over each weight row; `csrc/matmul.cpp`), the kernel the compiled decode graphs call.
 
 Usage:
     python benchmarks/gemv.py [--threads 1]
@@ -31,36 +30,6 @@ SHAPES = {  # (out, in) of SmolLM2-135M's linear layers
     "lm_head": (49152, 576),
 }
 POOL_BYTES = 200_000_000
-KERNEL = r"""
-#include <torch/extension.h>
-#include <immintrin.h>
-
-torch::Tensor rows_dot(torch::Tensor x, torch::Tensor weight) {
-  const int64_t rows = weight.size(0), width = weight.size(1);
-  auto out = torch::empty({rows}, x.options());
-  const float* v = x.data_ptr<float>();
-  const float* w = weight.data_ptr<float>();
-  float* y = out.data_ptr<float>();
-  for (int64_t n = 0; n < rows; n++) {
-    const float* row = w + n * width;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t k = 0;
-    for (; k + 32 <= width; k += 32) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(row + k), _mm256_loadu_ps(v + k), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(row + k + 8), _mm256_loadu_ps(v + k + 8), a1);
-      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(row + k + 16), _mm256_loadu_ps(v + k + 16), a2);
-      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(row + k + 24), _mm256_loadu_ps(v + k + 24), a3);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    float total = 0;
-    for (float lane : lanes) total += lane;
-    for (; k < width; k++) total += row[k] * v[k];
-    y[n] = total;
-  }
-  return out;
-}
-"""
 
 
 def speed(function, pool: list[torch.Tensor], repeats: int = 3) -> float:
@@ -78,30 +47,34 @@ def speed(function, pool: list[torch.Tensor], repeats: int = 3) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated weight dtypes")
+    parser.add_argument("--rows", type=int, default=1, help="activation rows (the decode batch)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from torch.utils.cpp_extension import load_inline
+    import optimum_neuron_torch  # noqa: F401  (the `neuron` device)
 
-    kernel = load_inline("gemv_measurement", cpp_sources=KERNEL, functions=["rows_dot"],
-                         extra_cflags=["-O3", "-mavx2", "-mfma"])
-    print(f"threads: {args.threads}; torch {torch.__version__}; float32; GB/s of weights read")
-    print("| layer | shape [out, in] | sum() | x @ W.t() ([out, in]) | x @ W_t ([in, out]) | row-dot kernel "
-          "| [out, in] / sum | kernel / sum |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"threads: {args.threads}; torch {torch.__version__}; {args.rows} activation row(s); GB/s of weights read")
+    print("| dtype | layer | shape [out, in] | sum() | x @ W.t() ([out, in]) | x @ W_t ([in, out]) "
+          "| `neuron` x @ W.t() | [out, in] / sum | neuron / sum |")
+    print("|---|---|---|---|---|---|---|---|---|")
     generator = torch.Generator().manual_seed(0)
-    for name, (rows, width) in SHAPES.items():
-        count = max(2, POOL_BYTES // (rows * width * 4))
-        pool = [torch.randn(rows, width, generator=generator) for _ in range(count)]
-        pool_t = [matrix.t().contiguous() for matrix in pool]
-        x = torch.randn(1, width, generator=generator)
-        torch.testing.assert_close(kernel.rows_dot(x[0], pool[0]), (x @ pool[0].t())[0], rtol=1e-4, atol=1e-4)
-        read = speed(torch.sum, pool)
-        blas = speed(lambda matrix, x=x: x @ matrix.t(), pool)
-        transposed = speed(lambda matrix, x=x: x @ matrix, pool_t)
-        own = speed(lambda matrix, x=x: kernel.rows_dot(x[0], matrix), pool)
-        print(f"| {name} | {rows} x {width} | {read:.1f} | {blas:.1f} | {transposed:.1f} | {own:.1f} "
-              f"| {blas / read:.2f} | {own / read:.2f} |")
-
+    for dtype in [getattr(torch, name) for name in args.dtypes.split(",")]:
+        for name, (rows, width) in SHAPES.items():
+            count = max(2, POOL_BYTES // (rows * width * dtype.itemsize))
+            pool = [torch.randn(rows, width, generator=generator, dtype=dtype) for _ in range(count)]
+            pool_t = [matrix.t().contiguous() for matrix in pool]
+            device_pool = [matrix.to("neuron") for matrix in pool]
+            x = torch.randn(args.rows, width, generator=generator, dtype=dtype)
+            x_device = x.to("neuron")
+            tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close((x_device @ device_pool[0].t()).cpu(), x @ pool[0].t(),
+                                       rtol=tolerance, atol=tolerance)
+            read = speed(torch.sum, pool)
+            blas = speed(lambda matrix, x=x: x @ matrix.t(), pool)
+            transposed = speed(lambda matrix, x=x: x @ matrix, pool_t)
+            device = speed(lambda matrix, x=x_device: x @ matrix.t(), device_pool)
+            print(f"| {str(dtype)[6:]} | {name} | {rows} x {width} | {read:.1f} | {blas:.1f} | {transposed:.1f} "
+                  f"| {device:.1f} | {blas / read:.2f} | {device / read:.2f} |")
 
 if __name__ == "__main__":
     main()

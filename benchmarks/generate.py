@@ -22,7 +22,7 @@ reads one row of it) plus the KV cache of the context bucket the steps attend ov
 
 Usage:
     python benchmarks/generate.py [--model default|small|smollm2] [--threads 1] [--dtypes float32,bfloat16]
-                                  [--batches 1,4]
+                                  [--batches 1,4] [--variants "static+compile,library cold,library warm"]
 """
 
 from __future__ import annotations
@@ -167,10 +167,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated subset of the variants, \"library cold\" among them")
     parser.add_argument("--child", choices=VARIANTS)
     parser.add_argument("--folder")
     args = parser.parse_args()
     batches = [int(batch) for batch in args.batches.split(",")]
+    variants = [variant for variant in VARIANTS if variant in args.variants.split(",")]
+    if "library cold" not in variants:
+        parser.error('the variants must include "library cold" (which "library warm" runs after, on its cache)')
     if args.child:
         print(json.dumps(child(args.child, args.folder, args.dtypes, batches, args.threads)))
         return
@@ -196,7 +201,7 @@ def main() -> None:
         print(f"library buckets (defaults): {buckets}; the steps attend over the context bucket {context}")
         for dtype in args.dtypes.split(","):
             cache = Path(scratch) / f"cache-{dtype}"
-            results = {variant: spawn(variant, folder, dtype, batches, args.threads, cache) for variant in VARIANTS}
+            results = {variant: spawn(variant, folder, dtype, batches, args.threads, cache) for variant in variants}
             step_bytes = {batch: bytes_per_step(folder, dtype, batch, context) for batch in batches}
             report(dtype, batches, results, step_bytes, bandwidth)
 
@@ -207,25 +212,29 @@ def report(dtype: str, batches: list[int], results: dict, step_bytes: dict[int, 
     print("| batch | variant | first-call TTFT s | TTFT s | decode tok/s | graphs | recompiles after warm-up |")
     print("|---|---|---|---|---|---|---|")
     for batch in batches:
-        for variant in VARIANTS:
-            row = results[variant][str(batch)]
+        speed = {variant: result[str(batch)]["decode_tok_s"] for variant, result in results.items()}
+        for variant, result in results.items():
+            row = result[str(batch)]
             print(f"| {batch} | {variant} | {row['first_call_ttft_s']:.2f} | {row['ttft_s']:.3f} | "
                   f"{row['decode_tok_s']:.1f} | "
                   f"{row['graphs']} | {row['recompiles_after_warm_up']} |")
-        eager, recipe, library, whole = (results[variant][str(batch)]["decode_tok_s"]
-                                         for variant in ("eager", "static+compile", "library warm",
-                                                         "library, 1 context bucket"))
-        cold, warm = (results[variant][str(batch)]["first_call_ttft_s"]
-                      for variant in ("library cold", "library warm"))
-        print(f"| {batch} | ratios | warm/cold first-call TTFT {warm / cold:.0%} | | "
-              f"library/eager {library / eager:.2f}x, "
-              f"library/recipe {library / recipe:.2f}x, context buckets/1 bucket {library / whole:.2f}x | | |")
+        library = speed.get("library warm", speed.get("library cold"))
+        ratios = [f"library/{name} {library / speed[variant]:.2f}x"
+                  for variant, name in (("eager", "eager"), ("static+compile", "recipe"),
+                                        ("library, 1 context bucket", "1 context bucket")) if variant in speed]
+        if "library warm" in results:
+            cold, warm = (results[variant][str(batch)]["first_call_ttft_s"]
+                          for variant in ("library cold", "library warm"))
+            ratios.insert(0, f"warm/cold first-call TTFT {warm / cold:.0%}")
+        print(f"| {batch} | ratios | {', '.join(ratios)} | | | | |")
         weights, cache = step_bytes[batch]
         roofline = bandwidth * 1e9 / (weights + cache)  # steps/s, i.e. tokens/s per sequence
         print(f"| {batch} | roofline | {(weights + cache) / 1e6:.0f} MB a step ({weights / 1e6:.0f} weights, "
               f"{cache / 1e6:.1f} KV cache) | | {roofline:.1f} (library at {library / roofline:.0%}; "
               f"aggregate {library * batch:.1f} tok/s) | | |")
     for variant in ("library cold", "library warm"):
+        if variant not in results:
+            continue
         cache = results[variant]["cache"]
         print(f"{variant}: compile cache {cache['hits']} hits, {cache['misses']} misses, "
               f"{cache['compile_s']:.1f} s compiling")

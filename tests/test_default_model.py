@@ -101,7 +101,9 @@ def test_the_streamed_model_computes_the_cpu_logits(folder):
     assert model.dtype == cpu_model.dtype == torch.float32  # the checkpoint's dtype
     ids = AutoTokenizer.from_pretrained(folder)("The Eiffel Tower is in", return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        assert_same(model(ids.to("neuron")).logits, cpu_model(ids).logits, rtol=1e-5, atol=1e-5)
+        # A few rows against large weights run the device's decode-product kernel, whose float32 sums
+        # are ordered differently from the CPU BLAS's: 30 layers apart, logits of ~10 differ by ~5e-5.
+        assert_same(model(ids.to("neuron")).logits, cpu_model(ids).logits, rtol=1e-4, atol=1e-4)
 
 
 def test_the_greedy_chat_answer_is_the_cpu_one(folder):
