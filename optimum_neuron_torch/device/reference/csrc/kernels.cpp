@@ -147,6 +147,13 @@ fused_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor
                 const std::optional<at::Tensor>& attn_bias, double dropout_p, bool is_causal,
                 bool /*return_debug_mask*/, std::optional<double> scale) {
   track_explicit("aten::_scaled_dot_product_fused_attention_overrideable");
+  // As the meta function: no cumulative sequence lengths or debug mask, 0-dim seed and offset.
+  const auto scalar = [&] { return at::zeros({}, query.options().dtype(at::kLong)); };
+  if (is_decode_attention(query, key, value, attn_bias, dropout_p, is_causal)) {
+    auto [output, logsumexp] = decode_attention(query, key, value, attn_bias, scale);
+    return {output, logsumexp, at::Tensor(), at::Tensor(), query.sym_size(2), key.sym_size(2), scalar(), scalar(),
+            at::Tensor()};
+  }
   const c10::DeviceIndex device = query.device().index();
   std::optional<at::Tensor> bias;
   if (attn_bias.has_value()) {
@@ -155,8 +162,6 @@ fused_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor
   const at::Tensor host_query = host_view(query);
   auto [output, logsumexp] = at::_scaled_dot_product_flash_attention_for_cpu(
       host_query, host_view(key), host_view(value), dropout_p, is_causal, bias, scale);
-  // As the meta function: no cumulative sequence lengths or debug mask, 0-dim seed and offset.
-  const auto scalar = [&] { return at::zeros({}, query.options().dtype(at::kLong)); };
   return {to_device(laid_out_like(output, host_query), device), to_device(logsumexp.contiguous(), device), at::Tensor(),
           at::Tensor(), query.sym_size(2), key.sym_size(2), scalar(), scalar(), at::Tensor()};
 }

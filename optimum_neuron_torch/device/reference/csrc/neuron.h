@@ -8,7 +8,9 @@
 #include <c10/core/Device.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace neuron {
@@ -73,5 +75,15 @@ void boxed_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 // decompose them with a composite kernel: ops a backend implements run as themselves, as on
 // TorchNeuron (and composites that reject unknown devices run at all).
 void route_through_device(const std::vector<std::string>& names);
+
+// ---- decode attention (decode_attention.cpp) ----
+// Whether fused attention of these arguments runs the decode kernel: a few query rows (a decode
+// step) over a long cache, float32 or bfloat16, no dropout, not causal.
+bool is_decode_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal);
+// (output laid out like the query, logsumexp [batch, heads, rows] float32), on the query's device.
+std::tuple<at::Tensor, at::Tensor> decode_attention(const at::Tensor& query, const at::Tensor& key,
+                                                    const at::Tensor& value, const std::optional<at::Tensor>& attn_mask,
+                                                    std::optional<double> scale);
 
 } // namespace neuron
