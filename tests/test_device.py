@@ -86,6 +86,20 @@ def test_several_devices_when_configured():
     assert result.stdout.strip() == "ok"
 
 
+def test_the_reference_device_counts_what_crosses_between_host_and_device():
+    from optimum_neuron_torch.device import reference
+
+    reference.clear_transfer_counts()
+    x = torch.arange(10, dtype=torch.float32).to("neuron")  # 40 bytes to the device
+    y = (x * 2).clone()  # on the device: nothing crosses
+    assert y.cpu().tolist() == [2.0 * i for i in range(10)]  # 40 bytes back, and the host waited
+    assert y[3].item() == 6.0  # 4 bytes, a wait
+    assert reference.transfer_counts() == {"host_to_device_bytes": 40, "host_to_device_copies": 1,
+                                           "device_to_host_bytes": 44, "synchronizations": 2}
+    reference.clear_transfer_counts()
+    assert set(reference.transfer_counts().values()) == {0}
+
+
 def test_streams_and_events():
     stream = torch.neuron.Stream()
     assert stream.device == torch.device("neuron", 0)

@@ -134,6 +134,17 @@ def test_native_multinomial_samples_the_distribution(replacement):
     assert all(len(set(row.tolist())) == 3 and 1 not in row.tolist() for row in distinct)
 
 
+def test_native_multinomial_moves_one_random_number_per_draw_to_the_device():
+    """A generation step's draw: one uniform number per row crosses from the host, not one per token."""
+    from optimum_neuron_torch.device import reference
+
+    probs = torch.softmax(torch.randn(3, 1000), -1).to("neuron")
+    with ont.native_generation_ops():
+        reference.clear_transfer_counts()
+        torch.multinomial(probs, 1)
+        assert reference.transfer_counts()["host_to_device_bytes"] == 3 * 4
+
+
 def test_eager_generate_on_the_device_takes_no_fallback(tmp_path):
     folder = TINY_MODELS["llama"].save(tmp_path / "llama")
     cpu = LlamaForCausalLM.from_pretrained(folder).eval()

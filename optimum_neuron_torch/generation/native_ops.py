@@ -55,11 +55,13 @@ def _uniform(shape: torch.Size, like: torch.Tensor, generator: torch.Generator |
 
 def multinomial(self: torch.Tensor, num_samples: int, replacement: bool = False, *,
                 generator: torch.Generator | None = None) -> torch.Tensor:
-    """Categorical sampling from native ops: without replacement, the top `num_samples` of
-    `probs / Exp(1)` (the exponential race torch's own kernel uses); with replacement, the
-    inverse of the cumulative distribution."""
+    """Categorical sampling from native ops: one draw (what generation takes each step), or draws
+    with replacement, as the inverse of the cumulative distribution: one uniform number per draw
+    crosses from the host (4 bytes a sequence a step, where a number per token of the vocabulary
+    would be the logits' size); several draws without replacement as the top `num_samples` of
+    `probs / Exp(1)` (the exponential race torch's own kernel uses)."""
     probs = self.float()
-    if not replacement:
+    if not replacement and num_samples > 1:
         race = probs / _uniform(probs.shape, probs, generator).log().neg()
         return torch.topk(race, num_samples, dim=-1).indices
     cumulative = probs.cumsum(-1)

@@ -151,3 +151,15 @@ def set_fallback_copies(copies: bool) -> None:
 def fallback_counts() -> dict[str, tuple[int, float]]:
     """{op: (calls, seconds)} for every op that took the fallback path since the last clear."""
     return {op: (calls, ns / 1e9) for op, calls, ns in sorted(state().extension.fallback_counts())}
+
+
+def transfer_counts() -> dict[str, int]:
+    """What crossed between host and device since the last clear: `host_to_device_bytes`,
+    `device_to_host_bytes`, `host_to_device_copies` and `synchronizations` (copies to the host and
+    `.item()` calls: the host waited for the device). Reference device only: TorchNeuron has no
+    such counters."""
+    return dict(state().extension.transfer_counts())
+
+
+def clear_transfer_counts() -> None:
+    state().extension.clear_transfer_counts()

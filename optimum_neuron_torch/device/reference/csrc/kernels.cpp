@@ -82,6 +82,11 @@ at::Tensor& set_tensor(at::Tensor& self, const at::Tensor& source) {
 }
 
 at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
+  const bool source_on_device = self.device().type() == kNeuron;
+  if (source_on_device != (dst.device().type() == kNeuron)) {
+    const std::size_t bytes = static_cast<std::size_t>(dst.numel()) * dst.element_size();
+    source_on_device ? count_device_to_host(bytes) : count_host_to_device(bytes);
+  }
   at::Tensor host_dst = host_view(dst);
   at::native::copy_(host_dst, host_view(self), non_blocking);
   return dst;
@@ -93,6 +98,7 @@ at::Tensor copy_from_and_resize(const at::Tensor& self, const at::Tensor& dst) {
 }
 
 at::Scalar local_scalar_dense(const at::Tensor& self) {
+  count_device_to_host(self.element_size());
   return at::native::_local_scalar_dense_cpu(host_view(self));
 }
 

@@ -28,6 +28,16 @@ py::list fallback_counts() {
   return stats;
 }
 
+py::dict transfer_counts() {
+  const neuron::TransferCounts counts = neuron::transfer_counts();
+  py::dict result;
+  result["host_to_device_bytes"] = counts.host_to_device_bytes;
+  result["device_to_host_bytes"] = counts.device_to_host_bytes;
+  result["host_to_device_copies"] = counts.host_to_device_copies;
+  result["synchronizations"] = counts.synchronizations;
+  return result;
+}
+
 } // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -55,4 +65,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fallback_counts", &fallback_counts, "(op, calls, nanoseconds) of every op that fell back.");
   m.def("executed_ops", &neuron::executed_ops);
   m.def("clear_op_tracking", &neuron::clear_op_tracking);
+  m.def("transfer_counts", &transfer_counts, "Bytes and copies between host and device, and synchronizations.");
+  m.def("clear_transfer_counts", &neuron::clear_transfer_counts);
 }

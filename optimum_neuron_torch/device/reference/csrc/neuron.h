@@ -76,6 +76,20 @@ void boxed_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack);
 // TorchNeuron (and composites that reject unknown devices run at all).
 void route_through_device(const std::vector<std::string>& names);
 
+// ---- host<->device transfers (transfers.cpp) ----
+// Called by the copies between host and device memory (a copy to the host, or `.item()`, is a
+// synchronization: the host waits for the device's value).
+void count_host_to_device(std::size_t bytes);
+void count_device_to_host(std::size_t bytes);
+struct TransferCounts {
+  int64_t host_to_device_bytes;
+  int64_t device_to_host_bytes;
+  int64_t host_to_device_copies;
+  int64_t synchronizations;
+};
+TransferCounts transfer_counts();
+void clear_transfer_counts();
+
 // ---- decode attention (decode_attention.cpp) ----
 // Whether fused attention of these arguments runs the decode kernel: a few query rows (a decode
 // step) over a long cache, float32 or bfloat16, no dropout, not causal.
