@@ -27,7 +27,9 @@ from ...settings import cache_dir, cxx_compiler
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
-CFLAGS = ["-O2"]
+# OpenMP: the decode kernels split their work with `at::parallel_for`, whose OpenMP backend is inline
+# in ATen's headers (without the flag it runs on one thread); it links to the libgomp torch loaded.
+CFLAGS = ["-O2", "-fopenmp"]
 
 
 def _compiler() -> str:
@@ -84,7 +86,8 @@ def _build(name: str, build_dir: Path) -> ModuleType:
     start = time.perf_counter()
     try:
         module = cpp_extension.load(
-            name=name, sources=sources, build_directory=str(build_dir), extra_cflags=CFLAGS, verbose=False
+            name=name, sources=sources, build_directory=str(build_dir), extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"], verbose=False
         )
     except (RuntimeError, subprocess.CalledProcessError, OSError) as error:
         raise ReferenceDeviceBuildError(
