@@ -52,25 +52,22 @@ __attribute__((target("avx2,fma"))) void add_scaled(float* acc, float p, const T
   for (; d < size; ++d) acc[d] += p * static_cast<float>(v[d]);
 }
 
-// One query row: out = softmax(scale * q K^T + mask) V, and its logsumexp.
+// One query row: out = softmax(scale * q K^T + mask) V, and its logsumexp. The row's mask, if any,
+// is `allowed` (a bool mask) or `bias` (an additive one), `mask_stride_s` apart per key.
 template <typename T>
 void attend(const T* q, int64_t q_stride_d, const T* k, int64_t k_stride_s, const T* v, int64_t v_stride_s,
-            int64_t keys, int64_t head_dim, float scale, const at::Tensor& mask, int64_t mask_offset,
-            int64_t mask_stride_s, T* out, int64_t out_stride_d, float* logsumexp, std::vector<float>& scores,
-            std::vector<float>& row) {
+            int64_t keys, int64_t head_dim, float scale, const bool* allowed, const T* bias, int64_t mask_stride_s,
+            T* out, int64_t out_stride_d, float* logsumexp, std::vector<float>& scores, std::vector<float>& row) {
   row.resize(head_dim);
   for (int64_t d = 0; d < head_dim; ++d) row[d] = static_cast<float>(q[d * q_stride_d]);
   scores.resize(keys);
   float max = -std::numeric_limits<float>::infinity();
   for (int64_t s = 0; s < keys; ++s) {
     float score = dot(row.data(), k + s * k_stride_s, head_dim) * scale;
-    if (mask.defined()) {
-      const int64_t at = mask_offset + s * mask_stride_s;
-      if (mask.scalar_type() == at::kBool) {
-        score = mask.const_data_ptr<bool>()[at] ? score : -std::numeric_limits<float>::infinity();
-      } else {
-        score += static_cast<float>(static_cast<const T*>(mask.const_data_ptr())[at]);
-      }
+    if (allowed != nullptr && !allowed[s * mask_stride_s]) {
+      score = -std::numeric_limits<float>::infinity();
+    } else if (bias != nullptr) {
+      score += static_cast<float>(bias[s * mask_stride_s]);
     }
     scores[s] = score;
     max = std::max(max, score);
@@ -101,6 +98,9 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
   const T* v = static_cast<const T*>(value.const_data_ptr());
   T* o = static_cast<T*>(out.data_ptr());
   float* lse = logsumexp.data_ptr<float>();
+  const bool bool_mask = mask.defined() && mask.scalar_type() == at::kBool;
+  const bool* allowed = bool_mask ? mask.const_data_ptr<bool>() : nullptr;
+  const T* bias = mask.defined() && !bool_mask ? static_cast<const T*>(mask.const_data_ptr()) : nullptr;
   at::parallel_for(0, batch * heads * rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, row;
     for (int64_t index = begin; index < end; ++index) {
@@ -109,9 +109,10 @@ void attend_all(const at::Tensor& query, const at::Tensor& key, const at::Tensor
       const int64_t mask_offset = mask.defined() ? b * mask.stride(0) + h * mask.stride(1) + i * mask.stride(2) : 0;
       attend(q + b * query.stride(0) + h * query.stride(1) + i * query.stride(2), query.stride(3),
              k + b * key.stride(0) + kv_head * key.stride(1), key.stride(2),
-             v + b * value.stride(0) + kv_head * value.stride(1), value.stride(2), keys, head_dim, scale, mask,
-             mask_offset, mask.defined() ? mask.stride(3) : 0,
-             o + b * out.stride(0) + h * out.stride(1) + i * out.stride(2), out.stride(3), lse + index, scores, row);
+             v + b * value.stride(0) + kv_head * value.stride(1), value.stride(2), keys, head_dim, scale,
+             allowed == nullptr ? nullptr : allowed + mask_offset, bias == nullptr ? nullptr : bias + mask_offset,
+             mask.defined() ? mask.stride(3) : 0, o + b * out.stride(0) + h * out.stride(1) + i * out.stride(2),
+             out.stride(3), lse + index, scores, row);
     }
   });
 }
