@@ -46,17 +46,21 @@ def main() -> None:
 
     memory = [None] * world_size
     dist.all_gather_object(memory, torch.neuron.memory_allocated())
+    verdict = [None]
     if dist.get_rank() == 0:
         answer = tokens[0, inputs["input_ids"].shape[1]:]
         print(f"split between {world_size} ranks: {tokenizer.decode(answer, skip_special_tokens=True)!r}")
         print("device memory per rank: " + ", ".join(f"{m / 2**20:.2f} MiB" for m in memory))
         expected = AutoModelForCausalLM.from_pretrained(model_path).generate(
             **inputs, max_new_tokens=args.new_tokens, do_sample=False)
-        same = torch.equal(tokens, expected)
-        print(f"same tokens as the whole model on the CPU: {same}")
-        if not same:
-            raise SystemExit("the split model produced different tokens than the CPU")
+        verdict[0] = torch.equal(tokens, expected)
+        print(f"same tokens as the whole model on the CPU: {verdict[0]}")
+    # Every rank learns rank 0's verdict and exits with it: the ranks leave together, and the job's
+    # exit status is the same whichever rank the launcher reports.
+    dist.broadcast_object_list(verdict, src=0)
     dist.destroy_process_group()
+    if not verdict[0]:
+        raise SystemExit("the split model produced different tokens than the CPU")
 
 
 if __name__ == "__main__":

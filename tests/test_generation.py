@@ -28,6 +28,7 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 from optimum_neuron_torch import NeuronAutoModelForCausalLM
+from optimum_neuron_torch.device import reference
 from optimum_neuron_torch.generation import Buckets, disable_compiled_generation, enable_compiled_generation
 from optimum_neuron_torch.patches import apply_patches
 from tiny_models import TINY_MODELS, VOCAB
@@ -146,6 +147,31 @@ def test_padded_batch_matches_one_by_one(llama):
     for row, single in enumerate(singles):
         assert batch[row, 14:].tolist() == single.tolist()
     assert batch.tolist() == cpu.generate(ids, attention_mask=mask, max_new_tokens=6, **GREEDY).tolist()
+
+
+def test_greedy_steps_move_the_chosen_tokens_to_the_host_and_processors_the_logits(llama):
+    """Greedy search without logits processors takes the tokens the graph chose: each forward moves
+    8 bytes a row (of the batch bucket) to the host instead of the logits row. With a processor
+    that reads the logits (repetition penalty) or scores asked for, the logits cross as before. All
+    give Transformers' tokens (and scores)."""
+    cpu, model = llama
+    # (prompts whose greedy tokens change along the sequence, to a larger token id and to a smaller)
+    ids, new_tokens, bucket_rows = prompt(5, batch=3, seed=6), 7, 4
+    moved = {}
+    for name, settings in (("tokens", GREEDY), ("logits", dict(GREEDY, repetition_penalty=1.5))):
+        reference.clear_transfer_counts()
+        generated = model.generate(ids, max_new_tokens=new_tokens, **settings)
+        moved[name] = reference.transfer_counts()
+        assert generated.tolist() == cpu.generate(ids, max_new_tokens=new_tokens, **settings).tolist()
+    # (the same forwards and the same other reads: the difference is the row each forward moves)
+    saved = moved["logits"]["device_to_host_bytes"] - moved["tokens"]["device_to_host_bytes"]
+    assert saved == new_tokens * bucket_rows * (4 * VOCAB - 8)
+    assert moved["logits"]["synchronizations"] == moved["tokens"]["synchronizations"]
+
+    scored = dict(GREEDY, max_new_tokens=4, output_scores=True, return_dict_in_generate=True)
+    output, expected = model.generate(ids, **scored), cpu.generate(ids, **scored)
+    assert output.sequences.tolist() == expected.sequences.tolist()
+    torch.testing.assert_close(torch.stack(output.scores), torch.stack(expected.scores), rtol=1e-4, atol=1e-4)
 
 
 def test_sampling_is_reproducible_under_manual_seed(llama):

@@ -43,7 +43,8 @@ def free_port() -> int:
 
 
 def launcher_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra or {})}
+    # (a rank that crashes or aborts prints the Python stack of each of its threads)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **(extra or {})}
     env.pop("OPTIMUM_NEURON_TORCH_DEVICE_COUNT", None)  # one device per rank, from the launcher
     return env
 

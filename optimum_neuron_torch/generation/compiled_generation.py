@@ -41,7 +41,7 @@ from transformers.cache_utils import (
     StaticLayer,
     StaticSlidingWindowLayer,
 )
-from transformers.generation import GenerationMode, StoppingCriteriaList
+from transformers.generation import GenerationMode, LogitsProcessorList, StoppingCriteriaList
 from transformers.masking_utils import create_masks_for_generate
 from transformers.modeling_outputs import BaseModelOutput
 
@@ -116,6 +116,9 @@ class CompiledGeneration:
         self._context_floors = (0, 0)  # precompile(): the smallest context of (prefill, decode) steps
         self._compiled_forward: Callable[..., Any] | None = None
         self._compiled_encoder: Callable[..., Any] | None = None
+        # Whether the call running takes each greedy token as the graph chose it (see `choose_tokens`).
+        self.tokens_from_graph = False
+        self._chosen_logits: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._warned: set[str] = set()
         # Whether the cache's length reaches the model's code as a scalar rather than a tensor (see
         # `_scalar_cache_length`): set when a call found its tensor sizing the model's tensors.
@@ -166,13 +169,39 @@ class CompiledGeneration:
         """The model's forward, compiled. Its inputs are made canonical, so that each bucket meets
         one graph: standard strides (a chunk sliced from a longer prompt has others), and always a
         materialized attention mask (Transformers leaves it out of a prefill without padding), except
-        for caches of state-space layers only, which Transformers gives no mask after the prompt."""
+        for caches of state-space layers only, which Transformers gives no mask after the prompt.
+
+        The graph also chooses the greedy token of each row. When the call running takes it (see
+        `choose_tokens`), only those tokens cross to the host, and the output's logits are a host
+        row that makes Transformers' loop choose them: 0 at the token, -inf elsewhere."""
         if self._compiled_forward is None:
-            self._compiled_forward = torch.compile(_call, **COMPILE_CONFIG.to_dict())
+            self._compiled_forward = torch.compile(_step, **COMPILE_CONFIG.to_dict())
         if inputs.get("attention_mask") is None and not self.encoder_decoder and not self.states_only:
             inputs["attention_mask"] = self._causal_mask(inputs["input_ids"], inputs["cache"],
                                                          inputs.get("position_ids"))
-        return self._compiled_forward(self.model, **{name: _dense(value) for name, value in inputs.items()})
+        output, tokens = self._compiled_forward(self.model, **{name: _dense(value) for name, value in inputs.items()})
+        if self.tokens_from_graph:
+            output.logits = self._logits_choosing(tokens.cpu(), output.logits.shape[-1])
+        return output
+
+    def choose_tokens(self, processors: LogitsProcessorList, config: GenerationConfig) -> None:
+        """Called with the logits processors Transformers built for the call running: whether the
+        loop may take the greedy tokens the graph chose rather than the logits, which it does when it
+        would choose them itself from the logits unchanged (greedy search, no processor, no scores
+        or logits returned)."""
+        self.tokens_from_graph = (not config.do_sample and len(processors) == 0 and not (
+            config.return_dict_in_generate and (config.output_scores or config.output_logits)))
+
+    def _logits_choosing(self, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Host logits [rows, 1, vocab] of -inf with 0 at each row's token, which argmax chooses: one
+        buffer per shape, whose previous tokens are set back to -inf (Transformers copies the row)."""
+        key = (tokens.shape[0], vocab_size)
+        logits, previous = self._chosen_logits.get(key) or (torch.full((key[0], 1, vocab_size), float("-inf")), None)
+        if previous is not None:
+            logits[:, 0].scatter_(1, previous[:, None], float("-inf"))
+        logits[:, 0].scatter_(1, tokens[:, None], 0.0)
+        self._chosen_logits[key] = (logits, tokens)
+        return logits
 
     def _causal_mask(self, input_ids: torch.Tensor, cache: StaticCache, position_ids: torch.Tensor | None) -> Any:
         """The masks Transformers' generate() builds for a compiled forward, for a sequence without
@@ -388,7 +417,11 @@ class CompiledGeneration:
             "attention_mask": attention_mask,
             "cache": self._cache(shapes.batch, shapes.padded if self.encoder_decoder else 0),
             "max_new_tokens": shapes.new_tokens,
-            "min_new_tokens": shapes.min_new_tokens,
+            # (a min_new_tokens of 0, or a min_length within the prompt, would make Transformers add
+            # a processor that holds EOS back until the padded prompt's length: it changes nothing,
+            # but keeps the loop from taking the graph's tokens, see `choose_tokens`)
+            **({"min_new_tokens": shapes.min_new_tokens} if shapes.min_new_tokens
+               else {"min_new_tokens": None, "min_length": 0}),
             "num_return_sequences": 1,
             "cache_implementation": None,
             "compile_config": COMPILE_CONFIG,
@@ -401,6 +434,7 @@ class CompiledGeneration:
         would otherwise break the graph), the cache keys of the graphs used are recorded, and a
         split embedding has no padding index (see `embeddings_without_padding_index`)."""
         self.active = True
+        self.tokens_from_graph = False  # (until Transformers' processors show it may: `choose_tokens`)
         try:
             with torch._dynamo.config.patch(recompile_limit=max(64, self.graph_budget),
                                             accumulated_recompile_limit=max(256, self.graph_budget),
@@ -409,7 +443,7 @@ class CompiledGeneration:
                     recording_cache_keys() as keys, embeddings_without_padding_index(self.model):
                 yield
         finally:
-            self.active = False
+            self.active = self.tokens_from_graph = False
             self.cache_keys |= keys
 
     def _note_unpadded_prompts(self) -> None:
@@ -610,6 +644,14 @@ def _call(module: torch.nn.Module, **inputs: Any) -> Any:
     """What gets compiled: a call of the module, which it takes as an argument so that the compiled
     function holds no reference to the model (the model holds it)."""
     return module(**inputs)
+
+
+def _step(model: torch.nn.Module, **inputs: Any) -> tuple[Any, torch.Tensor]:
+    """What gets compiled for a step of generation: the model's output, and the greedy token of
+    each row, chosen on the device (the logits of the last position, first of equal maxima, as
+    `torch.argmax` on the host chooses)."""
+    output = model(**inputs)
+    return output, output.logits[:, -1].argmax(-1)
 
 
 def _dense(value: Any) -> Any:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from transformers import CompileConfig, GenerationConfig, PreTrainedModel
+from transformers.generation import LogitsProcessorList
 
 from .buckets import Buckets
 from .compiled_generation import CompiledGeneration
@@ -59,6 +60,15 @@ class NeuronGenerationMixin:
             self.neuron_generation.fit_context(kwargs.get("cache"), input_ids,
                                                decoding=kwargs.get("next_sequence_length") == 1)
         return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+
+    def _get_logits_processor(self, generation_config: GenerationConfig, *args: Any, **kwargs: Any
+                              ) -> LogitsProcessorList:
+        """Transformers' (or the model's own), shown to compiled generation, which lets the loop take
+        the tokens the graph chose when nothing would change the logits (see `choose_tokens`)."""
+        processors = super()._get_logits_processor(generation_config, *args, **kwargs)
+        if self.neuron_generation.active:
+            self.neuron_generation.choose_tokens(processors, generation_config)
+        return processors
 
     def get_compiled_call(self, compile_config: CompileConfig | None) -> Callable[..., Any]:
         if self.neuron_generation.active:
