@@ -88,15 +88,21 @@ def child(variant: str, folder: str, dtype_name: str, batches: list[int], thread
         return time.perf_counter() - start
 
     def transfers(ids: torch.Tensor, **sampling: Any) -> dict[str, float]:
-        """Host<->device bytes and synchronizations of a 64-token call, per step and sequence."""
+        """Host<->device bytes and synchronizations per step and sequence of a call of up to 64 new
+        tokens as users make it: without `min_new_tokens`, whose processor reads the logits (so greedy
+        steps would move the logits row instead of the chosen tokens)."""
         from optimum_neuron_torch.device import reference
 
-        torch.manual_seed(0)
-        run(ids, NEW_TOKENS, **sampling)  # (graphs warm)
+        def call() -> int:
+            torch.manual_seed(0)
+            with torch.no_grad():
+                output = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=bool(sampling), **sampling)
+            return output.shape[1] - ids.shape[1]  # (steps: a call can stop at EOS)
+
+        call()  # (graphs warm)
         reference.clear_transfer_counts()
-        torch.manual_seed(0)
-        run(ids, NEW_TOKENS, **sampling)
-        return {name: count / NEW_TOKENS / len(ids) for name, count in reference.transfer_counts().items()}
+        steps = call()
+        return {name: count / steps / len(ids) for name, count in reference.transfer_counts().items()}
 
     results = {}
     for batch in batches:
