@@ -118,7 +118,6 @@ class CompiledGeneration:
         self._compiled_encoder: Callable[..., Any] | None = None
         # Whether the call running takes each greedy token as the graph chose it (see `choose_tokens`).
         self.tokens_from_graph = False
-        self._chosen_logits: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._warned: set[str] = set()
         # Whether the cache's length reaches the model's code as a scalar rather than a tensor (see
         # `_scalar_cache_length`): set when a call found its tensor sizing the model's tensors.
@@ -192,16 +191,11 @@ class CompiledGeneration:
         self.tokens_from_graph = (not config.do_sample and len(processors) == 0 and not (
             config.return_dict_in_generate and (config.output_scores or config.output_logits)))
 
-    def _logits_choosing(self, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """Host logits [rows, 1, vocab] of -inf with 0 at each row's token, which argmax chooses: one
-        buffer per shape, whose previous tokens are set back to -inf (Transformers copies the row)."""
-        key = (tokens.shape[0], vocab_size)
-        logits, previous = self._chosen_logits.get(key) or (torch.full((key[0], 1, vocab_size), float("-inf")), None)
-        if previous is not None:
-            logits[:, 0].scatter_(1, previous[:, None], float("-inf"))
-        logits[:, 0].scatter_(1, tokens[:, None], 0.0)
-        self._chosen_logits[key] = (logits, tokens)
-        return logits
+    @staticmethod
+    def _logits_choosing(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Host logits [rows, 1, vocab] of -inf with 0 at each row's token, which argmax chooses."""
+        logits = torch.full((tokens.shape[0], 1, vocab_size), float("-inf"))
+        return logits.scatter_(2, tokens[:, None, None], 0.0)
 
     def _causal_mask(self, input_ids: torch.Tensor, cache: StaticCache, position_ids: torch.Tensor | None) -> Any:
         """The masks Transformers' generate() builds for a compiled forward, for a sequence without
@@ -434,7 +428,6 @@ class CompiledGeneration:
         would otherwise break the graph), the cache keys of the graphs used are recorded, and a
         split embedding has no padding index (see `embeddings_without_padding_index`)."""
         self.active = True
-        self.tokens_from_graph = False  # (until Transformers' processors show it may: `choose_tokens`)
         try:
             with torch._dynamo.config.patch(recompile_limit=max(64, self.graph_budget),
                                             accumulated_recompile_limit=max(256, self.graph_budget),
