@@ -11,8 +11,10 @@ count, on a 32-token prompt with 64 greedy new tokens, at batch 1 and 4:
 - time to first token (a `max_new_tokens=1` call; the first one includes compiling);
 - decode tokens/s per sequence: 63 / (time of a 64-token call - time to first token), best of 3;
 - graphs compiled and recompiles (Dynamo counters); for the library, the compile-cache counters;
-- on the reference device, host<->device bytes and synchronizations per step and sequence, as the
-  device counts them, for a greedy and a sampled (temperature, top-k, top-p) 64-token call.
+- on the reference device, host<->device bytes and synchronizations per sequence, as the device
+  counts them, of a greedy and a sampled (temperature, top-k, top-p) call: per decode step (the
+  difference between calls of 64 and 32 new tokens, over 32) and per call besides its decode steps
+  (the prefill's).
 The library runs with its default buckets, as a user gets them (a cache of the model's context
 length capped at 2048, context buckets of it, printed), twice on the same compile cache, in two
 processes: cold (empty cache) and warm; and once more with one context bucket (every step attends
@@ -87,22 +89,27 @@ def child(variant: str, folder: str, dtype_name: str, batches: list[int], thread
                            **sampling)
         return time.perf_counter() - start
 
-    def transfers(ids: torch.Tensor, **sampling: Any) -> dict[str, float]:
-        """Host<->device bytes and synchronizations per step and sequence of a call of up to 64 new
-        tokens as users make it: without `min_new_tokens`, whose processor reads the logits (so greedy
-        steps would move the logits row instead of the chosen tokens)."""
+    def transfers(ids: torch.Tensor, **sampling: Any) -> dict[str, dict[str, float]]:
+        """Host<->device bytes and synchronizations per sequence of calls as users make them (without
+        `min_new_tokens`, whose processor reads the logits, so greedy steps would move the logits
+        row; without EOS, so that each call makes the steps asked): per decode step, from calls of
+        64 and 32 new tokens, and per call besides its decode steps."""
         from optimum_neuron_torch.device import reference
 
-        def call() -> int:
+        def call(new_tokens: int) -> dict[str, int]:
             torch.manual_seed(0)
+            reference.clear_transfer_counts()
             with torch.no_grad():
-                output = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=bool(sampling), **sampling)
-            return output.shape[1] - ids.shape[1]  # (steps: a call can stop at EOS)
+                model.generate(ids, max_new_tokens=new_tokens, do_sample=bool(sampling), eos_token_id=None,
+                               **sampling)
+            return reference.transfer_counts()
 
-        call()  # (graphs warm)
-        reference.clear_transfer_counts()
-        steps = call()
-        return {name: count / steps / len(ids) for name, count in reference.transfer_counts().items()}
+        call(2)  # (graphs warm)
+        long, short = call(NEW_TOKENS), call(NEW_TOKENS // 2)
+        steps = NEW_TOKENS - NEW_TOKENS // 2
+        step = {name: (long[name] - short[name]) / steps / len(ids) for name in long}
+        return {"per decode step": step,
+                "per call besides": {name: long[name] / len(ids) - (NEW_TOKENS - 1) * step[name] for name in long}}
 
     results = {}
     for batch in batches:
@@ -257,10 +264,12 @@ def report(dtype: str, batches: list[int], results: dict, step_bytes: dict[int, 
               f"{cache / 1e6:.1f} KV cache) | | {roofline:.1f} (library at {library / roofline:.0%}; "
               f"aggregate {library * batch:.1f} tok/s) | | |")
     for batch in batches:
-        for mode, counts in results.get("library warm", {}).get(str(batch), {}).get("transfers", {}).items():
-            print(f"batch {batch}, {mode}, per step and sequence: {counts['host_to_device_bytes']:.1f} bytes to "
-                  f"the device in {counts['host_to_device_copies']:.2f} copies, {counts['device_to_host_bytes']:.1f} "
-                  f"bytes to the host in {counts['synchronizations']:.2f} synchronizations")
+        for mode, parts in results.get("library warm", {}).get(str(batch), {}).get("transfers", {}).items():
+            for part, counts in parts.items():
+                print(f"batch {batch}, {mode}, {part}, per sequence: {counts['host_to_device_bytes']:.1f} bytes to "
+                      f"the device in {counts['host_to_device_copies']:.2f} copies, "
+                      f"{counts['device_to_host_bytes']:.1f} bytes to the host in "
+                      f"{counts['synchronizations']:.2f} synchronizations")
     for variant in ("library cold", "library warm"):
         if variant not in results:
             continue

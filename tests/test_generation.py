@@ -122,6 +122,15 @@ def test_warm_up_compiles_one_graph_per_bucket(fresh_dynamo):
     assert graphs() == 2 * (2 + 1)  # per batch bucket: a prefill per prompt bucket, and the decode step
 
 
+def test_warm_up_with_sampling_compiles_the_decode_steps_that_sample(fresh_dynamo):
+    _, model = compiled("llama", Buckets((1,), (8,), 64))
+    model.precompile(show_progress=False, sampling=True)
+    assert graphs() == 3  # the prefill, the decode step, and the decode step that samples
+    torch._dynamo.utils.counters.clear()
+    model.generate(prompt(5), max_new_tokens=6, do_sample=True, temperature=0.7, top_p=0.9)
+    assert graphs() == 0 and recompiles() == 0
+
+
 def test_chunked_prefill_of_a_long_prompt_matches_eager(llama):
     cpu, model = llama
     torch._dynamo.utils.counters.clear()
@@ -172,6 +181,58 @@ def test_greedy_steps_move_the_chosen_tokens_to_the_host_and_processors_the_logi
     output, expected = model.generate(ids, **scored), cpu.generate(ids, **scored)
     assert output.sequences.tolist() == expected.sequences.tolist()
     torch.testing.assert_close(torch.stack(output.scores), torch.stack(expected.scores), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("length", [5, 8])  # (8: the bucket's length, no padding: Transformers drops the mask)
+@pytest.mark.parametrize("settings", [GREEDY, dict(do_sample=True, temperature=0.8, top_k=8, top_p=0.9)],
+                         ids=["greedy", "sampled"])
+def test_a_decode_step_moves_its_inputs_and_tokens_only_with_one_synchronization(llama, length, settings):
+    """Each decode step of a batch bucket of 4 rows moves, per row, its token id, its position and the
+    two bounds of its attention mask's interval (8 + 8 + 2 x 4 bytes) to the device, with a uniform
+    number (4 bytes) when it samples, and its token (8 bytes) back: one synchronization a step (the
+    cache's length comes from the host, not the device)."""
+    _, model = llama
+    ids, rows, steps = prompt(length, batch=3, seed=6), 4, 4
+    model.generate(ids, max_new_tokens=2, **settings)  # (the sampled decode graph compiles on first use)
+    counts = []
+    for new_tokens in (3, 3 + steps):
+        torch.manual_seed(0)
+        reference.clear_transfer_counts()
+        generated = model.generate(ids, max_new_tokens=new_tokens, eos_token_id=None, **settings)
+        counts.append(reference.transfer_counts())
+        assert generated.shape[1] == length + new_tokens
+    step = {name: (counts[1][name] - counts[0][name]) / steps for name in counts[0]}
+    drawn = 4 if settings.get("do_sample") else 0
+    assert step == {"host_to_device_bytes": rows * (8 + 8 + 8 + drawn), "host_to_device_copies": 3 + bool(drawn),
+                    "device_to_host_bytes": rows * 8, "synchronizations": 1}
+
+
+def test_sampled_decode_steps_draw_their_tokens_in_the_graph(llama):
+    """With Transformers' warpers only (temperature, top-k, top-p), decode steps draw their tokens in
+    the graph: a seed draws the same sequences, another seed others, every token is among the top-k
+    of the CPU model's logits, top_k=1 draws the greedy tokens, and the logits cross to the host only
+    once (the prefill's, which Transformers warps and samples on the host)."""
+    cpu, model = llama
+    ids, new_tokens = prompt(5, batch=3, seed=6), 12
+    settings = dict(do_sample=True, temperature=0.8, top_k=8, top_p=0.9, eos_token_id=None)
+    runs = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        runs.append(model.generate(ids, max_new_tokens=new_tokens, **settings))
+    assert runs[0].tolist() == runs[1].tolist() != runs[2].tolist()
+    for sequences in (runs[0], runs[2]):
+        with torch.no_grad():
+            top = cpu(sequences).logits[:, 4:-1].topk(8).indices
+        assert (top == sequences[:, 5:, None]).any(-1).all()
+
+    greedy = cpu.generate(ids, max_new_tokens=new_tokens, eos_token_id=None, **GREEDY)
+    moved = {}
+    for name, call_settings in (("sampled", dict(do_sample=True, top_k=1)), ("greedy", GREEDY)):
+        reference.clear_transfer_counts()
+        generated = model.generate(ids, max_new_tokens=new_tokens, eos_token_id=None, **call_settings)
+        moved[name] = reference.transfer_counts()
+        assert generated.tolist() == greedy.tolist()
+    assert moved["sampled"]["device_to_host_bytes"] - moved["greedy"]["device_to_host_bytes"] == 4 * (4 * VOCAB - 8)
 
 
 def test_sampling_is_reproducible_under_manual_seed(llama):

@@ -7,7 +7,10 @@ and every forward of the loop goes through one compiled function: prefill as Tra
 prefill with the bucket as chunk size, then one decode step at a time, each attending over the
 smallest context bucket of the cache that holds the sequence so far (see `context_windows`). So the
 graphs are one per (batch bucket, prompt bucket) plus one decode graph per (batch bucket, context
-bucket), whatever the prompt length or `max_new_tokens`. (Decoders that number positions by cache
+bucket) (and one more, that samples, where calls sample in the graph), whatever the prompt length
+or `max_new_tokens`. Between host and device, a decode step moves its inputs (the token, its
+position, the bounds of its masks' intervals) and the token the graph chose, not masks and logits
+(see `forward`). (Decoders that number positions by cache
 slot, whose outputs left padding would change, keep their prompts' lengths: each prompt length
 compiles a prefill graph of its own.) Encoder-decoders run a compiled encoder per (batch, prompt
 bucket) and a compiled decode step per (batch, prompt bucket); their first decoder step (one token,
@@ -41,7 +44,7 @@ from transformers.cache_utils import (
     StaticLayer,
     StaticSlidingWindowLayer,
 )
-from transformers.generation import GenerationMode, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import GenerationMode, LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 from transformers.masking_utils import create_masks_for_generate
 from transformers.modeling_outputs import BaseModelOutput
 
@@ -49,6 +52,7 @@ from ..compiler.dynamo_backend import recording_cache_keys
 from ..errors import CollectiveError, InsufficientDeviceMemoryError, NeuronTorchError, RankFailedError, first_line
 from .buckets import Buckets
 from .context_windows import ContextWindows
+from .interval_masks import for_graph, in_graph
 from .padding import (
     PaddingRowsDone,
     PromptStreamed,
@@ -59,6 +63,7 @@ from .padding import (
     pad_token_id,
     unpad,
 )
+from .sampling import SamplingParameters, sample
 from .tensor_parallel import embeddings_without_padding_index, share_random_state, tensor_parallel_mesh
 
 COMPILE_CONFIG = CompileConfig(backend="neuron", fullgraph=True, dynamic=False, mode="default")
@@ -116,8 +121,12 @@ class CompiledGeneration:
         self._context_floors = (0, 0)  # precompile(): the smallest context of (prefill, decode) steps
         self._compiled_forward: Callable[..., Any] | None = None
         self._compiled_encoder: Callable[..., Any] | None = None
-        # Whether the call running takes each greedy token as the graph chose it (see `choose_tokens`).
+        # How the call running takes the tokens the graph chose (see `choose_tokens`): each greedy
+        # token, or, with the sampling parameters on the device, each sampled token of a decode step.
         self.tokens_from_graph = False
+        self.sampling: SamplingParameters | None = None
+        self._sampling_rows: torch.Tensor | None = None  # (its tensor on the device, made once a call)
+        self.chose_in_graph = False  # whether the step just run chose its tokens in the graph
         self._warned: set[str] = set()
         # Whether the cache's length reaches the model's code as a scalar rather than a tensor (see
         # `_scalar_cache_length`): set when a call found its tensor sizing the model's tensors.
@@ -126,13 +135,13 @@ class CompiledGeneration:
     @property
     def graph_budget(self) -> int:
         """The most graphs this bucket set can need (Dynamo's recompile limit is raised to it): per
-        batch bucket, a prefill per prompt bucket and, per context bucket, a decode step and a
-        prefill chunk of a prompt longer than the largest bucket; for encoder-decoders, an encoder
-        and a decode step per encoder bucket, and a decode step."""
+        batch bucket, a prefill per prompt bucket and, per context bucket, a decode step, a decode
+        step that samples and a prefill chunk of a prompt longer than the largest bucket; for
+        encoder-decoders, an encoder and a decode step per encoder bucket, and a decode step."""
         buckets = self.buckets
         if self.encoder_decoder:
             return len(buckets.batch_sizes) * (len(buckets.prompt_buckets) * 2 + 1)
-        return len(buckets.batch_sizes) * (len(buckets.prompt_buckets) + 2 * len(buckets.context_buckets))
+        return len(buckets.batch_sizes) * (len(buckets.prompt_buckets) + 3 * len(buckets.context_buckets))
 
     @functools.cached_property
     def states_only(self) -> bool:
@@ -170,26 +179,47 @@ class CompiledGeneration:
         materialized attention mask (Transformers leaves it out of a prefill without padding), except
         for caches of state-space layers only, which Transformers gives no mask after the prompt.
 
-        The graph also chooses the greedy token of each row. When the call running takes it (see
-        `choose_tokens`), only those tokens cross to the host, and the output's logits are a host
-        row that makes Transformers' loop choose them: 0 at the token, -inf elsewhere."""
+        A decode step's masks arrive as intervals (see `interval_masks`), which the graph expands.
+        The graph also chooses the token of each row: the greedy one, or, in a decode step of a call
+        that samples in the graph, one drawn from a uniform number the host draws. When the call
+        running takes it (see `choose_tokens`), only those tokens cross to the host, and the output's
+        logits are a host row that makes Transformers' loop choose them: 0 at the token, -inf
+        elsewhere."""
         if self._compiled_forward is None:
             self._compiled_forward = torch.compile(_step, **COMPILE_CONFIG.to_dict())
         if inputs.get("attention_mask") is None and not self.encoder_decoder and not self.states_only:
             inputs["attention_mask"] = self._causal_mask(inputs["input_ids"], inputs["cache"],
                                                          inputs.get("position_ids"))
-        output, tokens = self._compiled_forward(self.model, **{name: _dense(value) for name, value in inputs.items()})
-        if self.tokens_from_graph:
+        if "attention_mask" in inputs:
+            inputs["attention_mask"] = for_graph(inputs["attention_mask"], self.model.device)
+        inputs = {name: _dense(value) for name, value in inputs.items()}
+        sampled = self.sampling is not None and inputs["input_ids"].shape[-1] == 1  # (decoders' decode steps)
+        if sampled:  # (the host draws the uniform numbers: from torch's generator, as multinomial would)
+            rows = inputs["input_ids"].shape[0]
+            if self._sampling_rows is None:
+                self._sampling_rows = self.sampling.rows(rows).to(self.model.device)
+            inputs["sampling"] = (self._sampling_rows, torch.rand(rows).to(self.model.device))
+        output, tokens = self._compiled_forward(self.model, **inputs)
+        self.chose_in_graph = self.tokens_from_graph or sampled
+        if self.chose_in_graph:
             output.logits = self._logits_choosing(tokens.cpu(), output.logits.shape[-1])
         return output
 
-    def choose_tokens(self, processors: LogitsProcessorList, config: GenerationConfig) -> None:
+    def choose_tokens(self, processors: LogitsProcessorList, config: GenerationConfig) -> LogitsProcessorList:
         """Called with the logits processors Transformers built for the call running: whether the
-        loop may take the greedy tokens the graph chose rather than the logits, which it does when it
-        would choose them itself from the logits unchanged (greedy search, no processor, no scores
-        or logits returned)."""
-        self.tokens_from_graph = (not config.do_sample and len(processors) == 0 and not (
-            config.return_dict_in_generate and (config.output_scores or config.output_logits)))
+        loop takes the tokens the graph chose rather than the logits, and the processors it runs.
+        It takes the greedy tokens when it would choose them itself from the logits unchanged
+        (greedy search, no processor), and the tokens each decode step samples when the processors
+        are warpers the graph applies (see `sampling`); never when scores or logits are returned.
+        A sampled call's processors then pass the rows of the steps that chose in the graph as
+        they are (the prefill's logits are warped on the host)."""
+        returned = config.return_dict_in_generate and (config.output_scores or config.output_logits)
+        self.tokens_from_graph = not config.do_sample and len(processors) == 0 and not returned
+        in_graph = config.do_sample and not returned and not self.encoder_decoder
+        self.sampling = SamplingParameters.of(processors) if in_graph else None
+        if self.sampling is None:
+            return processors
+        return LogitsProcessorList([_UnlessChosenInGraph(self, processors)])
 
     @staticmethod
     def _logits_choosing(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -252,7 +282,7 @@ class CompiledGeneration:
                 with torch.no_grad():
                     model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True)
             decoder_cache = cache.self_attention_cache if self.encoder_decoder else cache
-            _length_read_as_a_value(decoder_cache)
+            decoder_cache.get_seq_length = _CacheLength(decoder_cache)
             if self.cache_length_as_scalar:
                 _scalar_cache_length(decoder_cache)
             if self.states_only:
@@ -280,6 +310,30 @@ class CompiledGeneration:
             prefill_floor, decode_floor = self._context_floors
             length = max(input_ids.shape[-1], decode_floor) if decoding else max(self._prompt_length, prefill_floor)
             windows.use(self.buckets.context_bucket_for(length))
+
+    @contextlib.contextmanager
+    def length_from_host(self, cache: Any, input_ids: torch.Tensor, kwargs: dict[str, Any]) -> Iterator[None]:
+        """While Transformers prepares a forward's inputs on the host (its arguments `input_ids` and
+        `kwargs`): the cache answers its length from the host, rather than from the device. The
+        host's 2D attention mask covers the tokens cached and those this forward feeds (the last
+        `next_sequence_length`, else all of `input_ids`), as Transformers' own masks assume; without
+        a mask (no padding), a decode step's `input_ids` are the whole sequence."""
+        length = getattr(cache, "get_seq_length", None)
+        mask, fed = kwargs.get("attention_mask"), kwargs.get("next_sequence_length")
+        if isinstance(mask, torch.Tensor) and mask.ndim == 2 and mask.device.type == "cpu":
+            known = mask.shape[-1] - (input_ids.shape[-1] if fed is None else fed)
+        elif mask is None and fed is not None and input_ids.device.type == "cpu":
+            known = input_ids.shape[-1] - fed
+        else:
+            known = None
+        if not isinstance(length, _CacheLength) or known is None:
+            yield
+            return
+        length.on_host = known
+        try:
+            yield
+        finally:
+            length.on_host = None
 
     # generate() --------------------------------------------------------------------------------
     def generate(self, transformers_generate: Callable[..., Any], inputs: torch.Tensor | None = None,
@@ -436,7 +490,8 @@ class CompiledGeneration:
                     recording_cache_keys() as keys, embeddings_without_padding_index(self.model):
                 yield
         finally:
-            self.active = self.tokens_from_graph = False
+            self.active = self.tokens_from_graph = self.chose_in_graph = False
+            self.sampling = self._sampling_rows = None
             self.cache_keys |= keys
 
     def _note_unpadded_prompts(self) -> None:
@@ -457,28 +512,35 @@ class CompiledGeneration:
             )
 
     # precompile() ------------------------------------------------------------------------------
-    def precompile(self, show_progress: bool = True) -> None:
+    def precompile(self, show_progress: bool = True, sampling: bool | None = None) -> None:
         """Compiles (or loads from the compile cache) every graph of the bucket set: per batch
         bucket, a prompt of each prompt bucket and, when the cache has context buckets, a decode
         step in each (a short prompt whose decode steps are held to the bucket: the graph a longer
         sequence meets there) and a prefill chunk in each that a prompt of several chunks can need
-        (two chunks, held to the bucket)."""
+        (two chunks, held to the bucket). With `sampling` (default: whether the model's generation
+        config samples), also the decode steps that sample in the graph (see `sampling`)."""
         buckets = self.buckets
-        runs = [(batch, length, (0, 0)) for batch in buckets.batch_sizes for length in buckets.prompt_buckets]
-        if not self.encoder_decoder and len(buckets.context_buckets) > 1:
+        windows = not self.encoder_decoder and len(buckets.context_buckets) > 1
+        contexts = buckets.context_buckets if windows else (0,)  # (0: no floor)
+        runs = [(batch, length, (0, 0), False) for batch in buckets.batch_sizes for length in buckets.prompt_buckets]
+        if windows:
             chunk = buckets.prompt_buckets[-1]
             for batch in buckets.batch_sizes:
-                runs += [(batch, buckets.prompt_buckets[0], (0, context)) for context in buckets.context_buckets]
+                runs += [(batch, buckets.prompt_buckets[0], (0, context), False) for context in contexts]
                 if 2 * chunk + 2 <= buckets.max_length and not self.states_only:  # (and 2 new tokens)
-                    runs += [(batch, 2 * chunk, (context, 0)) for context in buckets.context_buckets
+                    runs += [(batch, 2 * chunk, (context, 0), False) for context in contexts
                              if context >= buckets.context_bucket_for(2 * chunk)]
+        if not self.encoder_decoder and (self.model.generation_config.do_sample if sampling is None else sampling):
+            runs += [(batch, buckets.prompt_buckets[0], (0, context), True)
+                     for batch in buckets.batch_sizes for context in contexts]
         token = pad_token_id(self.model.generation_config, self._vocab_size)
-        for batch, length, floors in tqdm(runs, desc="Compiling neuron graphs", disable=not show_progress):
+        for batch, length, floors, sampled in tqdm(runs, desc="Compiling neuron graphs", disable=not show_progress):
             ids = torch.full((batch, length), token, dtype=torch.long, device=self.model.device)
+            # (2 new tokens: the prefill's and a decode step's; a sampled run cannot stop at EOS)
+            settings = dict(do_sample=True, eos_token_id=None) if sampled else dict(do_sample=False, min_new_tokens=2)
             self._context_floors = floors
             try:
-                self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
-                                    do_sample=False)
+                self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, **settings)
             finally:
                 self._context_floors = (0, 0)
 
@@ -539,18 +601,28 @@ def _sizes_by_cache_length(error: BaseException) -> bool:
     return False
 
 
-def _length_read_as_a_value(cache: StaticCache) -> None:
-    """Makes this cache instance's `get_seq_length()` return the length at the time of the call.
+class _CacheLength:
+    """A cache instance's `get_seq_length()`: the length at the time of the call, told by the host
+    while Transformers prepares a step's inputs there.
+
     Transformers' static layers return their length tensor itself, which their next update
     increments in place: a model that reads the length before updating the cache and uses it after
-    (Inkling's query positions) would see the new length (the CPU's dynamic cache returns an int)."""
-    ask_cache = cache.get_seq_length
+    (Inkling's query positions) would see the new length (the CPU's dynamic cache returns an int),
+    so the device's answer is a copy. And Transformers' loop, which builds each step's masks on the
+    host, reads the length there every step: read from the device, that is a synchronization a
+    step; the host knows it already (see `CompiledGeneration.length_from_host`)."""
 
-    def get_seq_length(layer_idx: int = 0) -> Any:
-        length = ask_cache(layer_idx)
-        return length.clone() if isinstance(length, torch.Tensor) else length
+    def __init__(self, cache: StaticCache) -> None:
+        self._ask_cache = cache.get_seq_length
+        self.on_host: int | None = None  # the length, while the host knows it
 
-    cache.get_seq_length = get_seq_length
+    def __call__(self, layer_idx: int = 0) -> Any:
+        length = self._ask_cache(layer_idx)  # (the layer's tensor itself: no transfer)
+        if not isinstance(length, torch.Tensor):
+            return length
+        if self.on_host is not None and not torch.compiler.is_compiling():
+            return torch.tensor(self.on_host, dtype=length.dtype)
+        return length.clone()
 
 
 def _scalar_cache_length(cache: StaticCache) -> None:
@@ -639,11 +711,28 @@ def _call(module: torch.nn.Module, **inputs: Any) -> Any:
     return module(**inputs)
 
 
-def _step(model: torch.nn.Module, **inputs: Any) -> tuple[Any, torch.Tensor]:
-    """What gets compiled for a step of generation: the model's output, and the greedy token of
-    each row, chosen on the device (the logits of the last position, first of equal maxima, as
-    `torch.argmax` on the host chooses)."""
+class _UnlessChosenInGraph(LogitsProcessor):
+    """Transformers' warpers of a call whose decode steps sample in the graph: they warp the logits
+    of the steps that did not (the prefill's), and pass the host rows of those that did."""
+
+    def __init__(self, generation: CompiledGeneration, processors: LogitsProcessorList) -> None:
+        self.generation, self.processors = generation, processors
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores if self.generation.chose_in_graph else self.processors(input_ids, scores)
+
+
+def _step(model: torch.nn.Module, sampling: tuple[torch.Tensor, torch.Tensor] | None = None,
+          **inputs: Any) -> tuple[Any, torch.Tensor]:
+    """What gets compiled for a step of generation (its masks as intervals, see `interval_masks`):
+    the model's output, and the token of each row, chosen on the device: drawn with `sampling` (the
+    parameters and uniform numbers, see `sampling.sample`) when given, else the greedy token (the
+    last position's logits, first of equal maxima, as `torch.argmax` on the host chooses)."""
+    if "attention_mask" in inputs:
+        inputs["attention_mask"] = in_graph(inputs["attention_mask"])
     output = model(**inputs)
+    if sampling is not None:
+        return output, sample(output.logits[:, -1], *sampling)
     return output, output.logits[:, -1].argmax(-1)
 
 

@@ -13,9 +13,11 @@ from typing import Any
 import torch
 from transformers import CompileConfig, GenerationConfig, PreTrainedModel
 from transformers.generation import LogitsProcessorList
+from transformers.masking_utils import create_masks_for_generate
 
 from .buckets import Buckets
 from .compiled_generation import CompiledGeneration
+from .interval_masks import compact
 from .native_ops import native_generation_ops
 from .saving import restore, save
 from .tensor_parallel import tensor_parallel_mesh
@@ -36,11 +38,12 @@ class NeuronGenerationMixin:
 
     def precompile(self, batch_sizes: tuple[int, ...] | None = None, prompt_buckets: tuple[int, ...] | None = None,
                    max_length: int | None = None, show_progress: bool = True,
-                   context_buckets: tuple[int, ...] | None = None) -> None:
+                   context_buckets: tuple[int, ...] | None = None, sampling: bool | None = None) -> None:
         """Compiles every graph generation needs, for these buckets (kept for later calls and
         saved by `save_pretrained`); graphs already in the compile cache are loaded instead. A
         bucket set not given stays as it is, except context buckets, which follow a new
-        `max_length` (see `Buckets`)."""
+        `max_length` (see `Buckets`). With `sampling` (default: whether the model's generation
+        config samples), the decode steps that sample in the graph are compiled too."""
         current = self.neuron_generation.buckets
         max_length = max_length or current.max_length
         if context_buckets is None and max_length == current.max_length:
@@ -51,23 +54,40 @@ class NeuronGenerationMixin:
             max_length,
             context_buckets,
         ))
-        self.neuron_generation.precompile(show_progress)
+        self.neuron_generation.precompile(show_progress, sampling)
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Transformers' (or the model's own), after giving the cache the context bucket of this
-        forward (see `CompiledGeneration.fit_context`), whose length sizes the attention mask."""
-        if self.neuron_generation.active:
-            self.neuron_generation.fit_context(kwargs.get("cache"), input_ids,
-                                               decoding=kwargs.get("next_sequence_length") == 1)
-        return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        forward (see `CompiledGeneration.fit_context`), whose length sizes the attention mask, and
+        with the cache's length told by the host (see `CompiledGeneration.length_from_host`)."""
+        generation = self.neuron_generation
+        if not generation.active:
+            return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        cache = kwargs.get("cache")
+        generation.fit_context(cache, input_ids, decoding=kwargs.get("next_sequence_length") == 1)
+        with generation.length_from_host(cache, input_ids, kwargs):
+            return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+
+    def create_masks_for_generate(self, *args: Any, **kwargs: Any) -> Any:
+        """Transformers' masks of a step (the model's own function, or Transformers'), as intervals
+        in the decode steps of compiled generation (see `interval_masks`): the bounds cross to the
+        device, not the masks."""
+        make_masks = getattr(super(), "create_masks_for_generate", create_masks_for_generate)
+        masks = make_masks(*args, **kwargs)
+        generation = self.neuron_generation
+        # Decode steps only (prefill graphs also meet masks made on the device, see `forward`), of
+        # decoders (an encoder-decoder's first decoder step runs eagerly, not through `forward`).
+        decoding = getattr(kwargs.get("inputs_embeds"), "shape", (0, 0))[1] == 1
+        return compact(masks) if generation.active and decoding and not generation.encoder_decoder else masks
 
     def _get_logits_processor(self, generation_config: GenerationConfig, *args: Any, **kwargs: Any
                               ) -> LogitsProcessorList:
         """Transformers' (or the model's own), shown to compiled generation, which lets the loop take
-        the tokens the graph chose when nothing would change the logits (see `choose_tokens`)."""
+        the tokens the graph chose, greedy or sampled, when it would choose them itself (see
+        `CompiledGeneration.choose_tokens`, which gives the processors the loop runs)."""
         processors = super()._get_logits_processor(generation_config, *args, **kwargs)
         if self.neuron_generation.active:
-            self.neuron_generation.choose_tokens(processors, generation_config)
+            return self.neuron_generation.choose_tokens(processors, generation_config)
         return processors
 
     def get_compiled_call(self, compile_config: CompileConfig | None) -> Callable[..., Any]:
