@@ -221,7 +221,7 @@ def main() -> None:
 
     print(f"model: {args.model} {MODELS.get(args.model, 'SmolLM2-135M-Instruct')}")
     print(f"threads: {args.threads}; torch {torch.__version__}; prompt {PROMPT} tokens, "
-          f"{NEW_TOKENS} new tokens, greedy")
+          f"{NEW_TOKENS} new tokens (no EOS), greedy and sampled")
     bandwidth = read_bandwidth(args.threads)
     print(f"read bandwidth: {bandwidth:.1f} GB/s (x.sum() of 1 GiB float32, {args.threads} thread(s), best of 5)")
     with tempfile.TemporaryDirectory() as scratch:
