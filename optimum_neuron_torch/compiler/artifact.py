@@ -87,7 +87,6 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
     `lowering_failure`, when the caller already knows the graph does not lower, is that error
     (lowering the graph again would only repeat it, at the cost of the slowest step of a compile)."""
     from torch._inductor import standalone_compile
-    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
     from .inductor_device import host_memory_codegen, register
 
@@ -95,10 +94,7 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
     if stablehlo.available():
         metadata["stablehlo"] = _lower_to_stablehlo(gm, example_inputs, folder, strict_lowering, lowering_failure)
     register()
-    # Inductor probes which vector instruction sets the host compiler and CPU support by building a
-    # small library per set, once per process, in its cache. Probed in its shared cache (not the
-    # entry's kernel folder), the libraries are built once per machine instead of once per process.
-    valid_vec_isa_list()
+    _probe_vector_isa()
     start = time.perf_counter()
     with host_memory_codegen(), _inductor_cache_in(folder / KERNELS_DIR):
         compiled = standalone_compile(
@@ -108,6 +104,17 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
     (folder / GRAPH_FILE).write_bytes(compiled.serialize())
     metadata["compile_seconds"] = round(time.perf_counter() - start, 3)
     return metadata
+
+
+def _probe_vector_isa() -> None:
+    """Lets Inductor probe, outside an entry's kernel folder, which vector instruction sets the host
+    compiler and CPU support. It probes by building a small library per set, once per process, in its
+    cache: probed in the entry's folder (where compiling and loading point its cache), the libraries
+    are built again by every process, about 7 s on 2 cores before the first graph loads; probed in
+    its shared cache, once per machine."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    valid_vec_isa_list()
 
 
 def _lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Path, strict: bool,
@@ -144,5 +151,6 @@ def load(folder: Path) -> Callable[..., Any]:
     """The compiled graph stored in `folder`, ready to call."""
     from torch._inductor.standalone_compile import AOTCompiledArtifact
 
+    _probe_vector_isa()
     with _inductor_cache_in(folder / KERNELS_DIR):
         return AOTCompiledArtifact.deserialize((folder / GRAPH_FILE).read_bytes())
