@@ -11,7 +11,8 @@ count, on a 32-token prompt with 64 new tokens (no EOS), at batch 1 and 4:
 - time to first token (a `max_new_tokens=1` call; the first one includes compiling);
 - decode tokens/s per sequence: 63 / (time of a 64-token call - time to first token), best of 3,
   greedy, and sampling (temperature 0.7, top-k 50, top-p 0.9);
-- graphs compiled and recompiles (Dynamo counters); for the library, the compile-cache counters;
+- graphs compiled and recompiles (Dynamo counters), and the seconds spent in torch.compile (Dynamo and
+  its backend) over the whole run; for the library, the compile-cache counters;
 - on the reference device, host<->device bytes and synchronizations per sequence, as the device
   counts them, of a greedy and a sampled (temperature, top-k, top-p) call: per decode step (the
   difference between calls of 64 and 32 new tokens, over 32) and per call besides its decode steps
@@ -62,6 +63,7 @@ def child(variant: str, folder: str, dtype_name: str, batches: list[int], thread
     torch.set_num_threads(threads)
     dtype = getattr(torch, dtype_name)
     counters = torch._dynamo.utils.counters
+    compile_times = torch._dynamo.utils.compile_times
     if variant.startswith("library"):
         import optimum_neuron_torch
         from optimum_neuron_torch import NeuronAutoModelForCausalLM
@@ -139,6 +141,9 @@ def child(variant: str, folder: str, dtype_name: str, batches: list[int], thread
     if variant.startswith("library"):
         stats = cache_stats()
         results["cache"] = {"hits": stats.hits, "misses": stats.misses, "compile_s": stats.compile_seconds}
+    headers, values = compile_times(repr="csv", aggregate=True)
+    results["compiling_s"] = float(dict(zip(headers, values, strict=True)).get("_compile.compile_inner", 0.0))
+    results["graphs"] = counters["stats"]["unique_graphs"]
     return results
 
 
@@ -282,6 +287,10 @@ def report(dtype: str, batches: list[int], results: dict, step_bytes: dict[int, 
         cache = results[variant]["cache"]
         print(f"{variant}: compile cache {cache['hits']} hits, {cache['misses']} misses, "
               f"{cache['compile_s']:.1f} s compiling")
+    for variant in ("static+compile", "library cold", "library warm"):
+        if variant in results:
+            print(f"{variant}: {results[variant]['compiling_s']:.1f} s in torch.compile (Dynamo and its backend, "
+                  f"{results[variant]['graphs']} graphs, batches {', '.join(map(str, batches))})")
 
 
 if __name__ == "__main__":
