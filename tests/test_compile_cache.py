@@ -72,6 +72,12 @@ def files_in(folder: Path) -> set[str]:
     return {str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file()}
 
 
+def vector_isa_probes_in(folder: Path) -> list[Path]:
+    """Sources of the libraries with which Inductor probes the CPU's vector instruction sets (each
+    defines a `__<isa>_chk_kernel`), found in `folder`."""
+    return [path for path in folder.rglob("*.cpp") if "_chk_kernel" in path.read_text()]
+
+
 def test_a_second_process_loads_instead_of_compiling(saved_llama, filled_cache, tmp_path):
     cache, cold = filled_cache
     copied = copy_of(cache, tmp_path / "cache")
@@ -83,6 +89,7 @@ def test_a_second_process_loads_instead_of_compiling(saved_llama, filled_cache, 
     # Loading builds nothing: no kernel, and none of the libraries with which Inductor probes the
     # CPU's vector instruction sets (built in an entry, they were built again by every process)
     assert files_in(copied) == files_in(cache)
+    assert vector_isa_probes_in(cache) == []  # (compiling probes in Inductor's shared cache too)
 
 
 def test_two_processes_compiling_the_same_graphs_leave_one_valid_entry_each(saved_llama, tmp_path):

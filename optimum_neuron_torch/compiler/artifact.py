@@ -64,10 +64,22 @@ def _cpu_flags_digest() -> str:
     return hashlib.sha256(" ".join(sorted(flags.split(":", 1)[-1].split())).encode()).hexdigest()[:12]
 
 
+def _probe_vector_isa() -> None:
+    """Lets Inductor probe, outside an entry's kernel folder, which vector instruction sets the host
+    compiler and CPU support. It probes by building a small library per set, once per process, in its
+    cache: probed in an entry's folder, the libraries are built again by every process, about 7 s on
+    2 cores before the first graph loads; probed in its shared cache, once per machine."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    valid_vec_isa_list()
+
+
 @contextlib.contextmanager
 def _inductor_cache_in(folder: Path) -> Iterator[None]:
     """Points Inductor's kernel cache at `folder` (its documented `TORCHINDUCTOR_CACHE_DIR`), so
-    the C++ kernels of a graph are written to, and found in, the graph's own entry."""
+    the C++ kernels of a graph are written to, and found in, the graph's own entry. Inductor's probe
+    of the CPU's vector instruction sets runs first, in its shared cache (see `_probe_vector_isa`)."""
+    _probe_vector_isa()
     previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     try:
@@ -94,7 +106,6 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
     if stablehlo.available():
         metadata["stablehlo"] = _lower_to_stablehlo(gm, example_inputs, folder, strict_lowering, lowering_failure)
     register()
-    _probe_vector_isa()
     start = time.perf_counter()
     with host_memory_codegen(), _inductor_cache_in(folder / KERNELS_DIR):
         compiled = standalone_compile(
@@ -104,17 +115,6 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
     (folder / GRAPH_FILE).write_bytes(compiled.serialize())
     metadata["compile_seconds"] = round(time.perf_counter() - start, 3)
     return metadata
-
-
-def _probe_vector_isa() -> None:
-    """Lets Inductor probe, outside an entry's kernel folder, which vector instruction sets the host
-    compiler and CPU support. It probes by building a small library per set, once per process, in its
-    cache: probed in the entry's folder (where compiling and loading point its cache), the libraries
-    are built again by every process, about 7 s on 2 cores before the first graph loads; probed in
-    its shared cache, once per machine."""
-    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-
-    valid_vec_isa_list()
 
 
 def _lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Path, strict: bool,
@@ -151,6 +151,5 @@ def load(folder: Path) -> Callable[..., Any]:
     """The compiled graph stored in `folder`, ready to call."""
     from torch._inductor.standalone_compile import AOTCompiledArtifact
 
-    _probe_vector_isa()
     with _inductor_cache_in(folder / KERNELS_DIR):
         return AOTCompiledArtifact.deserialize((folder / GRAPH_FILE).read_bytes())
