@@ -27,7 +27,9 @@ from the C++ dispatcher, which cannot raise a Python subclass).
     ├── CollectiveArgumentError (ValueError)        a collective given tensors it cannot take (names them)
     ├── CollectiveError (torch.distributed.DistBackendError)
     │                                               a collective that failed: a peer exited or timed out
-    └── RankFailedError (RuntimeError)              another rank of the job failed a step all ranks take
+    ├── RankFailedError (RuntimeError)              another rank of the job failed a step all ranks take
+    ├── InvalidRequestError (ValueError)            a served request with a field the server cannot take (names it)
+    └── ServerBusyError (RuntimeError)              a server whose request queue is full, or not serving
 """
 
 from __future__ import annotations
@@ -129,3 +131,21 @@ class CollectiveError(NeuronTorchError, torch.distributed.DistBackendError):
 class RankFailedError(NeuronTorchError, RuntimeError):
     """Another rank of the job failed a step every rank takes together (e.g. loading its pieces of
     a tensor-parallel model); the message names the rank and its error."""
+
+
+class InvalidRequestError(NeuronTorchError, ValueError):
+    """A request to the server with a field it cannot take: `param` names the field (as the
+    OpenAI API's error body does), the message says why and what would do."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ServerBusyError(NeuronTorchError, RuntimeError):
+    """The server takes no request now: its queue is full (`retry_after` seconds is a fair wait),
+    or it is starting or stopping (`retry_after` is None)."""
+
+    def __init__(self, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -13,6 +13,7 @@ defaults and parsers, and where it keeps its caches.
 | `OPTIMUM_NEURON_TORCH_DEVICE_MEMORY` | 24 GiB, capped by the host | reference device: memory per device |
 | `OPTIMUM_NEURON_TORCH_DEVICE_COUNT` | `1`, or `LOCAL_WORLD_SIZE` under a launcher | reference device: number of devices |
 | `OPTIMUM_NEURON_TORCH_FALLBACK_COPY` | `0` | reference device: copy fallback inputs and results as TorchNeuron does |
+| `OPTIMUM_NEURON_TORCH_API_KEY` | unset | `serve`: the key clients must send (`--api-key` overrides it) |
 
 Each setting is read when it is used (the backend and the reference device's settings once, when
 the device is activated), so tests and users may set the variables after import.
@@ -37,6 +38,7 @@ PROFILE_ENV = "OPTIMUM_NEURON_TORCH_PROFILE"
 DEVICE_MEMORY_ENV = "OPTIMUM_NEURON_TORCH_DEVICE_MEMORY"
 DEVICE_COUNT_ENV = "OPTIMUM_NEURON_TORCH_DEVICE_COUNT"
 FALLBACK_COPY_ENV = "OPTIMUM_NEURON_TORCH_FALLBACK_COPY"
+API_KEY_ENV = "OPTIMUM_NEURON_TORCH_API_KEY"
 
 # Variables of PyTorch and TorchNeuron the library reads (never sets).
 AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"
@@ -50,6 +52,8 @@ RANK_ENV = "RANK"
 WORLD_SIZE_ENV = "WORLD_SIZE"
 LOCAL_RANK_ENV = "LOCAL_RANK"
 LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
+# torch's launcher: how long it waits for the ranks to exit after passing them a signal (default 30 s)
+ELASTIC_SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
 BACKENDS = ("auto", "torchneuron", "reference")
 FALLBACK_MODES = ("warn", "error", "silent")
@@ -117,6 +121,12 @@ def requested_backend() -> str:
 def fallback_mode() -> str:
     """`OPTIMUM_NEURON_TORCH_FALLBACK`: the fallback policy at start, `warn` (default), `error` or `silent`."""
     return parse_choice(FALLBACK_ENV, FALLBACK_MODES, "warn")
+
+
+def serving_api_key() -> str | None:
+    """`OPTIMUM_NEURON_TORCH_API_KEY`: the key clients of `optimum-cli neuron-torch serve` must send
+    (None when unset or empty: no key). An environment variable keeps it out of the process list."""
+    return os.environ.get(API_KEY_ENV) or None
 
 
 def cache_dir() -> Path:

