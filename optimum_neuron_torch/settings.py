@@ -52,7 +52,8 @@ RANK_ENV = "RANK"
 WORLD_SIZE_ENV = "WORLD_SIZE"
 LOCAL_RANK_ENV = "LOCAL_RANK"
 LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
-# torch's launcher: how long it waits for the ranks to exit after passing them a signal (default 30 s)
+# torch's launcher: how long it waits for the ranks to exit after passing them a signal (default 30 s;
+# `commands.launch` sets it for a server's drain, when the user has not)
 ELASTIC_SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
 BACKENDS = ("auto", "torchneuron", "reference")

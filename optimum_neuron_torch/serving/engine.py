@@ -1,7 +1,7 @@
 """In-flight batching on compiled graphs of fixed shapes: the scheduler of the server.
 
-One thread runs the device. It holds `batch_size` decode slots over one `SlotCache`. Each turn
-of its loop:
+One thread runs the device (`run`: the server's main thread). It holds `batch_size` decode slots
+over one `SlotCache`. Each turn of its loop:
 
 1. requests waiting get free slots (the lowest first), and each is prefilled alone, on the graph
    of its prompt bucket, which gives its first token;
@@ -11,9 +11,9 @@ of its loop:
 3. each request takes its token; one that is done (end-of-sequence token, stop string,
    `max_tokens`, or its client gone) leaves, and its slot is free for the next turn.
 
-So the graphs are one prefill per prompt bucket and one decode step per (batch bucket, context
-bucket), all compiled (or loaded from the compile cache) by `warm_up()` before the first request:
-no mix of requests compiles anything. Every row of a step is computed as if alone (its own
+So the graphs are one prefill per prompt bucket and two decode steps (greedy, and sampling) per
+(batch bucket, context bucket), all compiled (or loaded from the compile cache) by `warm_up()`
+before the first request: no mix of requests compiles anything. Every row of a step is computed as if alone (its own
 positions, mask and random numbers), so a request's tokens do not depend on the others.
 
 Requests come from any thread (the HTTP server's event loop) through `submit()`; what each one
@@ -101,10 +101,11 @@ class Request:
     stop: list[str]
     on_event: Callable[[Event], None]
     cancelled: bool = False
-    tokens: list[int] = field(default_factory=list)
-    _text: TextStream | None = None
-    _generator: torch.Generator | None = None
-    _slot: int | None = None
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    # The engine's, once the request has a slot: its text so far, its random numbers, its slot.
+    _text: TextStream | None = field(default=None, init=False, repr=False)
+    _generator: torch.Generator | None = field(default=None, init=False, repr=False)
+    _slot: int | None = field(default=None, init=False, repr=False)
 
     @property
     def position(self) -> int:
