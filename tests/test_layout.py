@@ -19,7 +19,7 @@ LAYERS = [
     ["fallbacks", "patches"],
     ["generation"],
     ["modeling"],
-    ["compatibility", "pipelines"],
+    ["compatibility", "pipelines", "serving"],
     ["commands"],
     ["__init__"],
 ]

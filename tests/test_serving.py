@@ -275,8 +275,9 @@ def test_clients_that_disconnect_free_their_slots(server, client, cpu_model, tok
     while (engine.busy_slots or engine.waiting) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert (engine.busy_slots, engine.waiting) == (0, 0)
-    # 20 requests of 100 tokens over 8 slots would take 250 steps; they left after a few each.
-    assert engine.steps - steps < 50
+    # 20 requests of 100 tokens over 8 slots would take 250 steps; they left after a few each (the
+    # bound leaves room for a loaded machine, whose event loop notices the disconnections late).
+    assert engine.steps - steps < 125
     assert torch.neuron.memory_allocated() == memory
     prompt = tokenizer(QUESTIONS[5]).input_ids
     assert client.completions.create(model=NAME, prompt=QUESTIONS[5], max_tokens=8, temperature=0).choices[0].text \

@@ -13,8 +13,9 @@ over one `SlotCache`. Each turn of its loop:
 
 So the graphs are one prefill per prompt bucket and two decode steps (greedy, and sampling) per
 (batch bucket, context bucket), all compiled (or loaded from the compile cache) by `warm_up()`
-before the first request: no mix of requests compiles anything. Every row of a step is computed as if alone (its own
-positions, mask and random numbers), so a request's tokens do not depend on the others.
+before the first request: no mix of requests compiles anything. Every row of a step is computed as
+if alone (its own positions, mask and random numbers), so a request's tokens do not depend on the
+others.
 
 Requests come from any thread (the HTTP server's event loop) through `submit()`; what each one
 produces goes to the `on_event` callback it carries, called on the engine's thread.
