@@ -185,10 +185,9 @@ async def _respond(request: Request, engine: ServingEngine, body: ChatCompletion
     """Submits the request to the engine and answers: streamed, or whole once it finishes."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Event] = asyncio.Queue()
-    job = EngineRequest(prompt, engine.check(prompt, body.max_new_tokens(), "messages" if chat else "prompt"),
-                        _sampling(engine, body), body.stop_strings(),
+    job = EngineRequest(prompt, body.max_new_tokens(), _sampling(engine, body), body.stop_strings(),
                         lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
-    engine.submit(job)
+    engine.submit(job, prompt_field="messages" if chat else "prompt")
     identity = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     events = _events(request, engine, job, queue)
@@ -201,17 +200,13 @@ async def _respond(request: Request, engine: ServingEngine, body: ChatCompletion
     async for event in events:
         text.append(event.text)
         last = event
-    if last.finish_reason == "error":
-        raise RuntimeError("the serving engine failed during this request")
-    usage = CompletionUsage(prompt_tokens=len(prompt), completion_tokens=last.completion_tokens,
-                            total_tokens=len(prompt) + last.completion_tokens)
+    finish, usage = _finish(last), _usage(len(prompt), last)
     if chat:
         message = ChatCompletionMessage(role="assistant", content="".join(text))
         response = ChatCompletion(id=identity, created=created, model=body.model, object="chat.completion",
-                                  choices=[ChatChoice(index=0, message=message, finish_reason=last.finish_reason)],
-                                  usage=usage)
+                                  choices=[ChatChoice(index=0, message=message, finish_reason=finish)], usage=usage)
     else:
-        choice = CompletionChoice(index=0, text="".join(text), finish_reason=last.finish_reason)
+        choice = CompletionChoice(index=0, text="".join(text), finish_reason=finish)
         response = Completion(id=identity, created=created, model=body.model, object="text_completion",
                               choices=[choice], usage=usage)
     return JSONResponse(response.model_dump(mode="json", exclude_unset=True))
@@ -237,8 +232,9 @@ async def _events(request: Request, engine: ServingEngine, job: EngineRequest,
 
 
 async def _chat_chunks(events: AsyncIterator[Event], identity: str, created: int, model: str, prompt_tokens: int,
-                       include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-    def chunk(delta: ChoiceDelta | None, finish: str | None = None, usage: CompletionUsage | None = None) -> Any:
+                       include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
+    def chunk(delta: ChoiceDelta | None, finish: str | None = None,
+              usage: CompletionUsage | None = None) -> ChatCompletionChunk:
         choices = [] if delta is None else [ChunkChoice(index=0, delta=delta, finish_reason=finish)]
         return ChatCompletionChunk(id=identity, created=created, model=model, object="chat.completion.chunk",
                                    choices=choices, **({"usage": usage} if usage else {}))
@@ -254,8 +250,8 @@ async def _chat_chunks(events: AsyncIterator[Event], identity: str, created: int
 
 
 async def _completion_chunks(events: AsyncIterator[Event], identity: str, created: int, model: str,
-                             prompt_tokens: int, include_usage: bool) -> AsyncIterator[Any]:
-    def chunk(text: str | None, finish: str | None = None, usage: CompletionUsage | None = None) -> Any:
+                             prompt_tokens: int, include_usage: bool) -> AsyncIterator[Completion]:
+    def chunk(text: str | None, finish: str | None = None, usage: CompletionUsage | None = None) -> Completion:
         # (`model_construct`: the `openai` type wants a finish reason, which a chunk before the last has not)
         choices = [] if text is None else [CompletionChoice.model_construct(index=0, text=text, logprobs=None,
                                                                             finish_reason=finish)]
@@ -280,7 +276,7 @@ def _usage(prompt_tokens: int, event: Event) -> CompletionUsage:
                            total_tokens=prompt_tokens + event.completion_tokens)
 
 
-async def _sse(chunks: AsyncIterator[Any]) -> AsyncIterator[str]:
+async def _sse(chunks: AsyncIterator[ChatCompletionChunk | Completion]) -> AsyncIterator[str]:
     """Server-sent events: one `data:` line per chunk, then `data: [DONE]`."""
     async for chunk in chunks:
         yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -35,7 +36,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..errors import InvalidRequestError, ServerBusyError
-from ..generation.buckets import Buckets, default_context_buckets
+from ..generation.buckets import Buckets
 from ..generation.compiled_generation import COMPILE_CONFIG
 from ..generation.padding import pad_token_id
 from ..generation.tensor_parallel import embeddings_without_padding_index
@@ -89,7 +90,8 @@ class Request:
 
     Args:
         prompt (`list[int]`): the prompt's token ids.
-        max_tokens (`int`): the most tokens to generate.
+        max_tokens (`int` or `None`): the most tokens to generate (None: as many as the cache holds
+            after the prompt; `submit` sets it).
         sampling (`SamplingSettings`): greedy or sampled.
         stop (`list[str]`): stop strings (the text ends before the first one met).
         on_event (`Callable[[Event], None]`): called, on the engine's thread, with each step's
@@ -97,7 +99,7 @@ class Request:
     """
 
     prompt: list[int]
-    max_tokens: int
+    max_tokens: int | None
     sampling: SamplingSettings
     stop: list[str]
     on_event: Callable[[Event], None]
@@ -146,9 +148,9 @@ class ServingEngine:
                  prompt_buckets: tuple[int, ...] | None = None, queue_size: int | None = None,
                  broadcast: StepBroadcast | None = None) -> None:
         default = Buckets.default(model.config, max_length)
-        batch_sizes = tuple(size for size in (1, 2, 4, 8, 16, 32, 64, 128, 256) if size < batch_size) + (batch_size,)
-        self.buckets = Buckets(batch_sizes, prompt_buckets or default.prompt_buckets, default.max_length,
-                               default_context_buckets(default.max_length))
+        powers_of_two = tuple(2**power for power in range(batch_size.bit_length()) if 2**power < batch_size)
+        self.buckets = dataclasses.replace(default, batch_sizes=(*powers_of_two, batch_size),
+                                           prompt_buckets=prompt_buckets or default.prompt_buckets)
         self.model, self.tokenizer = model, tokenizer
         self.cache = SlotCache(model, batch_size, self.buckets.max_length)
         self.queue_size = queue_size if queue_size is not None else DEFAULT_QUEUE_SIZE_PER_SLOT * batch_size
@@ -192,7 +194,7 @@ class ServingEngine:
         return self._running
 
     # Requests ----------------------------------------------------------------------------------
-    def check(self, prompt: list[int], max_tokens: int | None, prompt_field: str) -> int:
+    def _check(self, prompt: list[int], max_tokens: int | None, prompt_field: str) -> int:
         """Checks a prompt and its `max_tokens` against the cache; returns `max_tokens` (default: the
         room the cache leaves after the prompt).
 
@@ -217,15 +219,20 @@ class ServingEngine:
                                       "(--max-length)", "max_tokens")
         return max_tokens
 
-    def submit(self, request: Request) -> None:
+    def submit(self, request: Request, prompt_field: str = "prompt") -> None:
         """Queues `request`; its events start once it has a slot.
 
+        Args:
+            request (`Request`): the request.
+            prompt_field (`str`): what the errors about its prompt name as the field at fault.
+
         Raises:
-            InvalidRequestError: see `check`.
+            InvalidRequestError: an empty prompt, a prompt above the largest prompt bucket, or
+                `max_tokens` beyond what the cache holds after the prompt (names the field).
             ServerBusyError: the queue is full, or the engine is not serving (starting, stopping,
                 or failed).
         """
-        request.max_tokens = self.check(request.prompt, request.max_tokens, "prompt")
+        request.max_tokens = self._check(request.prompt, request.max_tokens, prompt_field)
         with self._condition:
             if self._stopping or not self.ready.is_set() or not self.alive:
                 raise ServerBusyError("the server is not taking requests now (starting, stopping or failed)")

@@ -125,6 +125,6 @@ def _type_tag(part: int | str) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
 
 
-def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """An error as the OpenAI API gives it."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
+    """An error as the OpenAI API gives it (no `code`: the `type` and `param` say it)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}

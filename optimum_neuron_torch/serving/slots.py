@@ -102,10 +102,6 @@ class SlotCache(StaticCache):
             layer.allocate(slots, num_heads[index] if isinstance(num_heads, list) else num_heads,
                            head_dim[index] if isinstance(head_dim, list) else head_dim, model.dtype, model.device)
 
-    def nbytes(self) -> int:
-        """The device memory the cache holds."""
-        return sum(layer.keys.nbytes + layer.values.nbytes for layer in self.layers)
-
 
 def unsupported_by_slots(model: PreTrainedModel, cache: StaticCache) -> str | None:
     """Why a slot cache cannot serve `model`, or None. It needs a decoder whose forward takes

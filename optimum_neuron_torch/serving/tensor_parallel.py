@@ -25,7 +25,6 @@ class StepBroadcast:
 
     def __init__(self) -> None:
         self.group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        self.leader = dist.get_rank() == 0
 
     def send(self, call: tuple[Any, ...] | None) -> None:
         """On rank 0: the call the other ranks run next (None: stop)."""
