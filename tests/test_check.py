@@ -168,3 +168,41 @@ def test_cli_check_formats_strict_and_errors(folders, tmp_path):
     assert missing.returncode == 2 and missing.stdout == ""
     [line] = missing.stderr.strip().splitlines()
     assert line.startswith(f"error: cannot check {tmp_path / 'nowhere'}:")
+
+
+class ReflectPad(torch.nn.Module):
+    """Reflection padding: native forward, a backward (reflection_pad1d_backward) TorchNeuron lacks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(self.linear(x)[None], (2, 2), mode="reflect")
+
+
+def test_training_check_reports_what_only_the_backward_pass_hits():
+    inference = ont.check(ReflectPad(), {"x": torch.randn(4, 8)})
+    assert inference.verdict == RUNS_NATIVELY and not inference.training
+    report = ont.check(ReflectPad(), {"x": torch.randn(4, 8)}, training=True)
+    assert report.fallbacks == [] and report.training_error is None and report.training_compile_error is None
+    assert [(item.op, item.modules) for item in report.backward_fallbacks] == [
+        ("aten::reflection_pad1d_backward.grad_input", {"<backward pass>": 1})
+    ]
+    assert report.verdict == RUNS_WITH_FALLBACKS and report.falls_back
+    text = report.render()
+    assert "Ops the backward pass sends to the CPU:\n  - aten::reflection_pad1d_backward.grad_input: 1 calls" in text
+    assert "StableHLO lowering of the training graphs" in report.render("markdown")
+    assert json.loads(report.render("json"))["backward_fallbacks"][0]["calls"] == 1
+
+
+def test_training_check_of_a_language_model_and_the_cli(folders):
+    report = ont.check(str(folders["llama"]), training=True)
+    assert report.training and report.training_error is None and report.training_compile_error is None
+    assert report.backward_fallbacks == [] and report.training_graph_breaks == []
+    # the forward graph lowers; what Torch-MLIR makes of the backward graph is reported either way
+    assert report.training_stablehlo.endswith("of 2 forward and backward graph(s) lower to StableHLO")
+    assert not any(item.op.startswith("forward") for item in report.training_unlowered_ops)
+    cli = optimum_cli("check", str(folders["llama"]), "--training", "--format", "json")
+    assert cli.returncode == 0, cli.stderr
+    assert json.loads(cli.stdout)["training"] is True

@@ -64,3 +64,11 @@ def test_compatibility_check_reports_the_complex_rope_patch():
     assert [patch["name"] for patch in report["patches"]] == ["complex_rope"]
     assert [use["dtype"] for use in report["unpatched_dtypes"]] == ["complex64"]  # what the model hit without it
     assert report["graph_count"] == 1 and report["graph_breaks"] == []
+
+
+def test_finetune_trains_a_lora_adapter_on_neuron():
+    stdout = run_example("finetune.py", "--epochs", "2").stdout
+    assert "training on neuron:0, 6 steps" in stdout
+    first, last = map(float, re.search(r"loss: ([\d.]+) \(first step\) -> ([\d.]+)", stdout).groups())
+    assert last < first - 1.0, stdout  # the answers are learnt
+    assert "the merged model answers as the adapter model does" in stdout

@@ -17,7 +17,7 @@ LAYERS = [
     ["compiler"],
     ["loading"],
     ["fallbacks", "patches"],
-    ["generation"],
+    ["generation", "training"],
     ["modeling"],
     ["compatibility", "pipelines", "serving"],
     ["commands"],

@@ -18,10 +18,12 @@ EXPECTED = {
     "quickstart.ipynb": ["LlamaForCausalLM neuron:0", "Paris", "fallbacks, compiled generation: []",
                          "aten::argmax.out", "fallbacks with native decoding ops: []"],
     "generation_performance.ipynb": ["new graphs after warm-up: 0 recompiles: 0", "compiled", "tokens/s"],
+    "finetune.ipynb": ["every batch is padded to (64, 96) tokens and 8 rows", "training on neuron:0",
+                       "loss decreased: True", "merged model answers as the adapter model: True"],
 }
 # What one cell (found by a piece of its source) must print.
 EXPECTED_IN_CELL = {"quickstart.ipynb": {"--tp-size 3": "The capital of France is Paris"}}
-PLOTS = {"generation_performance.ipynb": 1}
+PLOTS = {"generation_performance.ipynb": 1, "finetune.ipynb": 1}
 
 
 @pytest.mark.parametrize("name", sorted(path.name for path in NOTEBOOKS.glob("*.ipynb")))

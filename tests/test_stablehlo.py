@@ -43,3 +43,26 @@ def test_a_graph_that_does_not_lower_warns_and_still_runs(tmp_path, monkeypatch)
     torch.testing.assert_close(result.cpu(), torch.special.zeta(x, 2.0))
     (entry,) = CompileCache(tmp_path).entries()
     assert entry.metadata["stablehlo"] != "ok" and not (entry.path / STABLEHLO_FILE).exists()
+
+
+@pytest.mark.parametrize("case", ["causal", "mask"])
+def test_the_lowered_attention_backward_is_sdpa_s_gradient(case):
+    # The decomposition the lowering check gives the device's fused attention backward (grouped-query
+    # attention: 4 query heads share 2 key-value heads) against autograd through the CPU's attention.
+    from optimum_neuron_torch.compiler.stablehlo import _fused_attention_backward
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, 6, 8, generator=generator, requires_grad=True)
+    key, value = (torch.randn(2, 2, 6, 8, generator=generator, requires_grad=True) for _ in range(2))
+    grad_out = torch.randn(2, 4, 6, 8, generator=generator)
+    mask = torch.rand(2, 1, 6, 6, generator=generator) > 0.3 if case == "mask" else None
+    if mask is not None:
+        mask[..., 0] = True  # every query sees a key
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                                           is_causal=case == "causal", scale=0.3, enable_gqa=True)
+    expected = torch.autograd.grad(out, (query, key, value), grad_out)
+    got = _fused_attention_backward(grad_out, query.detach(), key.detach(), value.detach(), mask, [True] * 4, out,
+                                    None, None, None, 6, 6, 0.0, case == "causal", None, None, scale=0.3)
+    assert got[3] is None
+    for actual, wanted in zip(got[:3], expected, strict=True):
+        torch.testing.assert_close(actual, wanted)

@@ -6,9 +6,9 @@ from ..compatibility import check
 
 
 def run_check(model_id: str, format: str = "text", strict: bool = False, patches: bool = True,
-              compile: bool = True, sequence_length: int = 16) -> int:
+              compile: bool = True, sequence_length: int = 16, training: bool = False) -> int:
     """Prints the report of `model_id`; returns the exit status (1 with `strict` when anything
     falls back)."""
-    report = check(model_id, sequence_length=sequence_length, patches=patches, compile=compile)
+    report = check(model_id, sequence_length=sequence_length, patches=patches, compile=compile, training=training)
     print(report.render(format), end="")
     return 1 if strict and report.falls_back else 0

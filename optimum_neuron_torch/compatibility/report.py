@@ -96,11 +96,18 @@ class CompatibilityReport:
     unpatched_dtypes: list[DtypeUse] = field(default_factory=list)
     unpatched_dynamic_shapes: list[DynamicShapeOp] = field(default_factory=list)
     eager_error: str | None = None
+    training: bool = False  # whether a training step was checked (the fields below)
+    backward_fallbacks: list[OpFallback] = field(default_factory=list)
+    training_graph_breaks: list[GraphBreak] = field(default_factory=list)
+    training_compile_error: str | None = None
+    training_unlowered_ops: list[UnloweredOp] = field(default_factory=list)
+    training_stablehlo: str = "skipped: install the `stablehlo` extra (torch-mlir) to check lowering"
+    training_error: str | None = None
 
     def decide(self) -> str:
         """The verdict: blocked > needs patches > runs with fallbacks > runs natively."""
         lacking = [use for use in self.dtypes if use.treatment.startswith("not supported")]
-        if self.eager_error or lacking:
+        if self.eager_error or self.training_error or lacking:
             self.verdict = BLOCKED
         elif self.patches:
             self.verdict = NEEDS_PATCHES
@@ -115,6 +122,8 @@ class CompatibilityReport:
         """Whether anything leaves the device or the compiled graph (what `--strict` refuses)."""
         return bool(
             self.fallbacks or self.graph_breaks or self.unlowered_ops or self.compile_error or self.eager_error
+            or self.backward_fallbacks or self.training_graph_breaks or self.training_unlowered_ops
+            or self.training_compile_error or self.training_error
         )
 
     def to_dict(self) -> dict:
@@ -140,7 +149,7 @@ class CompatibilityReport:
             f"without them, value-dependent shape {_calls_line(item)}" for item in self.unpatched_dynamic_shapes
         ]
         patches += [f"without them, {_dtype_line(use)}" for use in self.unpatched_dtypes]
-        return [
+        sections = [
             ("Eager run", [f"failed: {self.eager_error}"] if self.eager_error else ["completed"]),
             ("Ops that fall back to the CPU", fallbacks or ["none"]),
             ("torch.compile(backend='neuron', fullgraph=True)", graphs or ["not run"]),
@@ -148,6 +157,22 @@ class CompatibilityReport:
             ("Dtypes TorchNeuron narrows or lacks", dtypes or ["none"]),
             ("Ops with value-dependent output shapes (a new compile per shape)", dynamic or ["none"]),
             ("Patches applied", patches or ["none"]),
+        ]
+        return sections + (self._training_sections() if self.training else [])
+
+    def _training_sections(self) -> list[tuple[str, list[str]]]:
+        if self.training_error:
+            return [("Training step (forward and backward)", [f"failed: {self.training_error}"])]
+        breaks = [f"break at {item.location}: {item.reason}" + (f" (x{item.count})" if item.count > 1 else "")
+                  for item in self.training_graph_breaks]
+        compiled = breaks + ([f"compile failed: {self.training_compile_error}"] if self.training_compile_error else [])
+        lowering = [self.training_stablehlo] + [f"{item.op}: {item.reason}" for item in self.training_unlowered_ops]
+        return [
+            ("Training step (forward and backward)", ["completed"]),
+            ("Ops the backward pass sends to the CPU", [_calls_line(item) for item in self.backward_fallbacks]
+             or ["none"]),
+            ("Compiled training step", compiled or ["no graph break, compiled"]),
+            ("StableHLO lowering of the training graphs", lowering),
         ]
 
     def to_text(self) -> str:

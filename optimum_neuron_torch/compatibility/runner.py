@@ -29,6 +29,7 @@ from ..patches import PATCHES, patched, patches_for
 from .report import AppliedPatch, CompatibilityReport, DtypeUse, DynamicShapeOp, GraphBreak, OpFallback, UnloweredOp
 
 OUTSIDE_MODULES = "<outside any module>"
+BACKWARD = "<backward pass>"
 
 # The model's inputs: positional arguments and keyword arguments of its forward.
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -145,6 +146,14 @@ def _location(stack: list | None) -> str:
     return f"{frame.filename.split('site-packages/')[-1]}:{frame.lineno} in {frame.name}"
 
 
+def _graph_breaks(explanation: Any) -> list[GraphBreak]:
+    """The graph breaks of Dynamo's `explain`, one per reason and place, counted."""
+    breaks = Counter(
+        (first_line(reason.reason), _location(reason.user_stack)) for reason in explanation.break_reasons
+    )
+    return [GraphBreak(reason, location, count) for (reason, location), count in breaks.items()]
+
+
 def _compiled_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityReport) -> None:
     """Graph breaks (Dynamo's explain), then a `fullgraph=True` compile with the `neuron` backend:
     the graphs it splits around ops the compiler cannot take, and StableHLO lowering."""
@@ -152,10 +161,7 @@ def _compiled_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityR
     with torch.no_grad():
         explanation = torch._dynamo.explain(model)(*inputs[0], **inputs[1])
     report.graph_count = explanation.graph_count
-    breaks = Counter(
-        (first_line(reason.reason), _location(reason.user_stack)) for reason in explanation.break_reasons
-    )
-    report.graph_breaks = [GraphBreak(reason, location, count) for (reason, location), count in breaks.items()]
+    report.graph_breaks = _graph_breaks(explanation)
     torch._dynamo.reset()
     with recording_cache_keys() as keys, recording_partitions() as partitions, torch.no_grad():
         try:
@@ -172,6 +178,98 @@ def _compiled_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityR
         failed = [status for status in statuses if artifact.lowering_failed(status)]
         report.unlowered_ops += [UnloweredOp("graph", status) for status in failed]
         report.stablehlo = f"{len(statuses) - len(failed)} of {len(statuses)} compiled graph(s) lower to StableHLO"
+
+
+def _with_labels(model: torch.nn.Module, inputs: Inputs) -> Inputs:
+    """The inputs of a training step: a language model's labels are its input ids, when not given."""
+    args, kwargs = inputs
+    if "labels" not in kwargs and "input_ids" in kwargs and "labels" in inspect.signature(model.forward).parameters:
+        kwargs = {**kwargs, "labels": kwargs["input_ids"]}
+    return args, kwargs
+
+
+def _loss(output: Any) -> torch.Tensor:
+    """The loss of a forward's output (the model's own loss, else the sum of its first tensor)."""
+    loss = getattr(output, "loss", None)
+    if loss is None:
+        first = next(value for value in tree_leaves(output)
+                     if isinstance(value, torch.Tensor) and value.is_floating_point())
+        loss = first.float().sum()
+    return loss
+
+
+def _training_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityReport, compile: bool) -> None:
+    """One forward and backward in training mode: the ops the backward pass sends to the CPU, then,
+    compiled, the graph breaks of the training forward and whether its forward and backward graphs
+    compile and lower to StableHLO."""
+    inputs = _with_labels(model, inputs)
+    model.train()
+    try:
+        with fallback_policy("silent"):
+            loss = _loss(model(*inputs[0], **inputs[1]))
+            before = {op: stats.calls or 1 for op, stats in fallback_stats().items()}
+            loss.backward()
+        after = {op: stats.calls or 1 for op, stats in fallback_stats().items()}
+        report.backward_fallbacks = [
+            OpFallback(op, calls - before.get(op, 0), {BACKWARD: calls - before.get(op, 0)})
+            for op, calls in sorted(after.items()) if calls != before.get(op, 0)
+        ]
+    except Exception as exc:  # the report names the failure
+        report.training_error = f"{type(exc).__name__}: {first_line(exc)}"
+    finally:
+        model.zero_grad(set_to_none=True)
+    if compile and report.training_error is None:
+        _compiled_training_run(model, inputs, report)
+    model.eval()
+
+
+def _compiled_training_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityReport) -> None:
+    torch._dynamo.reset()
+    report.training_graph_breaks = _graph_breaks(torch._dynamo.explain(model)(*inputs[0], **inputs[1]))
+    torch._dynamo.reset()
+    try:  # the compiled training step, as the Trainer would run it
+        _loss(torch.compile(model, backend="neuron")(*inputs[0], **inputs[1])).backward()
+    except Exception as error:
+        error = getattr(error, "inner_exception", None) or error
+        report.training_compile_error = f"{type(error).__name__}: {first_line(error)}"
+    finally:
+        model.zero_grad(set_to_none=True)
+    if stablehlo.available():
+        _lower_training_graphs(model, inputs, report)
+    torch._dynamo.reset()
+
+
+def _lower_training_graphs(model: torch.nn.Module, inputs: Inputs, report: CompatibilityReport) -> None:
+    """Lowers the ATen forward and backward graphs of the training step (as AOTAutograd splits them)
+    to StableHLO, and notes those that do not lower."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    statuses: list[bool] = []
+
+    def lowering(kind: str) -> Any:
+        def compiler(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            try:
+                stablehlo.lower(gm, example_inputs)
+                statuses.append(True)
+            except Exception as error:  # what fails is the finding
+                statuses.append(False)
+                report.training_unlowered_ops.append(UnloweredOp(f"{kind} graph", f"{type(error).__name__}: "
+                                                                                  f"{first_line(error)}"))
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend=aot_autograd(fw_compiler=lowering("forward"),
+                                                             bw_compiler=lowering("backward")))
+        _loss(compiled(*inputs[0], **inputs[1])).backward()
+    except Exception as error:
+        report.training_unlowered_ops.append(UnloweredOp("training step", f"{type(error).__name__}: "
+                                                                          f"{first_line(error)}"))
+    finally:
+        model.zero_grad(set_to_none=True)
+    report.training_stablehlo = f"{sum(statuses)} of {len(statuses)} forward and backward graph(s) lower to StableHLO"
 
 
 def default_inputs(model: PreTrainedModel, sequence_length: int = 16) -> dict[str, Any]:
@@ -220,7 +318,8 @@ def _to_device(value: Any) -> Any:
 
 def check(model_or_id: torch.nn.Module | str | os.PathLike[str],
           example_inputs: Mapping[str, Any] | Sequence[Any] | None = None, *,
-          sequence_length: int = 16, patches: bool = True, compile: bool = True) -> CompatibilityReport:
+          sequence_length: int = 16, patches: bool = True, compile: bool = True,
+          training: bool = False) -> CompatibilityReport:
     """Reports what a model will hit on TorchNeuron, before anyone rents a Trn instance: ops that
     fall back to the CPU (with the modules calling them), graph breaks, ops that do not lower to
     StableHLO, dtypes narrowed or missing, ops with value-dependent shapes, the patches it needs, and
@@ -248,6 +347,12 @@ def check(model_or_id: torch.nn.Module | str | os.PathLike[str],
             lists what the model hits without them).
         compile (`bool`, *optional*, defaults to `True`):
             Whether to run the compiled path (graph breaks, graph splitting, StableHLO lowering).
+        training (`bool`, *optional*, defaults to `False`):
+            Whether to also check a training step (the model's loss, with labels equal to the
+            input ids for a language model, and its backward): the ops the backward pass sends to
+            the CPU (TorchNeuron's native ops cover far fewer backward ops than forward ones), and
+            with `compile`, the training forward's graph breaks and whether its forward and
+            backward graphs compile and lower to StableHLO.
 
     Returns:
         [`~optimum_neuron_torch.compatibility.CompatibilityReport`]: the findings and the verdict;
@@ -273,6 +378,7 @@ def check(model_or_id: torch.nn.Module | str | os.PathLike[str],
     'runs with fallbacks'
 
     >>> report = ont.check(my_module, (torch.randn(4, 8), torch.randn(4, 8)))  # positional inputs
+    >>> ont.check("org/model-id", training=True).backward_fallbacks  # what the backward pass runs on the CPU
     ```
     """
     by_name = isinstance(model_or_id, (str, os.PathLike))
@@ -300,5 +406,8 @@ def check(model_or_id: torch.nn.Module | str | os.PathLike[str],
                 report.unpatched_dynamic_shapes = _removed(unpatched.dynamic_shapes, report.dynamic_shapes, "op")
             if compile and report.eager_error is None:
                 _compiled_run(model, inputs, report)
+            if training and report.eager_error is None:
+                report.training = True
+                _training_run(model, inputs, report, compile)
     report.decide()
     return report

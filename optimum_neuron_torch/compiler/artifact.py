@@ -112,9 +112,23 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
             gm, example_inputs, dynamic_shapes="from_example_inputs", aot=True,
             options={"config_patches": options} if options else None,
         )
-    (folder / GRAPH_FILE).write_bytes(compiled.serialize())
+    try:
+        serialized = compiled.serialize()
+    except Exception as error:  # AOTAutograd bypassed its cache for this graph: nothing to serialize
+        raise UncacheableGraph(compiled, f"{type(error).__name__}: {first_line(error)}") from error
+    (folder / GRAPH_FILE).write_bytes(serialized)
     metadata["compile_seconds"] = round(time.perf_counter() - start, 3)
     return metadata
+
+
+class UncacheableGraph(Exception):
+    """Raised by `compile_into` for a graph that compiled but that AOTAutograd would not make
+    serializable (it bypasses its cache for, e.g., autocast inside activation checkpointing): it
+    carries the compiled graph, which runs in this process only."""
+
+    def __init__(self, compiled: Callable[..., Any], reason: str) -> None:
+        super().__init__(reason)
+        self.compiled = compiled
 
 
 def _lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Path, strict: bool,

@@ -31,10 +31,12 @@ METADATA = "entry.json"
 
 @dataclass
 class CacheStats:
-    """What this process got from the cache: hits, misses (compiles) and the seconds they took."""
+    """What this process got from the cache: hits, misses (compiles) and the seconds they took;
+    `uncached`, the misses whose graph could not be stored (compiled again in each process)."""
 
     hits: int = 0
     misses: int = 0
+    uncached: int = 0
     compile_seconds: float = 0.0
     load_seconds: float = 0.0
 
@@ -87,8 +89,9 @@ def _without_current_device_index(code: str) -> str:
 
 def graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], environment: dict[str, str],
               options: dict[str, Any]) -> str:
-    """The key of a graph: its code, its constants, its inputs' shapes, strides and dtypes, the
-    environment (versions, compiler, CPU features) and the compile options."""
+    """The key of a graph: its code, its constants, its inputs' shapes, strides, dtypes and whether
+    they require gradients, the grad mode, the environment (versions, compiler, CPU features) and
+    the compile options."""
     digest = hashlib.sha256()
     digest.update(_without_current_device_index(gm.code).encode())
     for name, tensor in sorted((*gm.named_parameters(), *gm.named_buffers())):
@@ -97,6 +100,9 @@ def graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], environment: 
             digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     for value in example_inputs:
         digest.update(_describe(value).encode())
+    # AOTAutograd compiles a training graph (with its backward) only under grad mode: a graph first
+    # compiled under torch.no_grad() must not be what a training step gets.
+    digest.update(f"grad_enabled={torch.is_grad_enabled()}".encode())
     digest.update(json.dumps(environment, sort_keys=True).encode())
     digest.update(json.dumps(options, sort_keys=True, default=repr).encode())
     return digest.hexdigest()

@@ -111,7 +111,16 @@ def compile_cached(gm: torch.fx.GraphModule, example_inputs: list[Any], options:
         return {"environment": environment, "input_shapes": inputs, **compiled}
 
     start = time.perf_counter()
-    entry, built = CompileCache().get_or_build(key, build)
+    try:
+        entry, built = CompileCache().get_or_build(key, build)
+    except artifact.UncacheableGraph as uncacheable:
+        STATS.misses += 1
+        STATS.uncached += 1
+        STATS.compile_seconds += time.perf_counter() - start
+        warnings.warn(f"A graph compiled for the neuron device cannot be stored in the compile cache "
+                      f"({uncacheable}; PyTorch's AOTAutograd does not serialize graphs with, e.g., autocast "
+                      "inside activation checkpointing): it is compiled again in each process.", stacklevel=2)
+        return _recorded(uncacheable.compiled, key)
     if built:  # (counted before a strict check refuses it: the compile happened)
         STATS.misses += 1
         STATS.compile_seconds += time.perf_counter() - start

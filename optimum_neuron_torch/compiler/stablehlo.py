@@ -59,6 +59,45 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return output, logsumexp, None, None, query.shape[2], key.shape[2], seed, seed, None
 
 
+def _fused_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attn_bias: torch.Tensor | None, grad_input_mask: list[bool], out: torch.Tensor,
+                              logsumexp: torch.Tensor, cum_seq_q: Any, cum_seq_k: Any, max_q: int, max_k: int,
+                              dropout_p: float, is_causal: bool, philox_seed: Any, philox_offset: Any,
+                              scale: float | None = None) -> tuple[Any, ...]:
+    """The backward of the device's fused attention (no dropout, as the device selects it) as math
+    ops, which Torch-MLIR lowers: the softmax is recomputed, and key and value heads shared by
+    several query heads (grouped-query attention) get the sum of their gradients."""
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    groups = query.shape[1] // key.shape[1]
+    keys, values = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = (query @ keys.transpose(-2, -1)) * scale
+    if is_causal:
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril(scores.shape[-1]
+                                                                                               - scores.shape[-2])
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_bias is not None:
+        scores = scores.masked_fill(~attn_bias, float("-inf")) if attn_bias.dtype == torch.bool else scores + attn_bias
+    probabilities = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    grad_probabilities = grad_out @ values.transpose(-2, -1)
+    grad_scores = probabilities * (grad_probabilities - (grad_probabilities * probabilities).sum(-1, keepdim=True))
+    grad_query = (grad_scores @ keys) * scale
+    grad_keys = (grad_scores.transpose(-2, -1) @ query) * scale
+    grad_values = probabilities.transpose(-2, -1) @ grad_out
+
+    def per_shared_head(grad: torch.Tensor) -> torch.Tensor:
+        return grad.unflatten(1, (key.shape[1], groups)).sum(2)
+
+    return grad_query, per_shared_head(grad_keys), per_shared_head(grad_values), None
+
+
+def _slice_backward(grad_output: torch.Tensor, input_sizes: list[int], dim: int, start: int, end: int,
+                    step: int) -> torch.Tensor:
+    """`slice_backward` as zeros and a `slice_scatter`, its end clamped to the dimension: Torch-MLIR
+    runs out of memory on the op with the open end (2**63 - 1) that slicing `x[a:]` records."""
+    end = min(end, input_sizes[dim])
+    return torch.slice_scatter(grad_output.new_zeros(input_sizes), grad_output, dim, start, end, step)
+
+
 def lower(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str:
     """The StableHLO text of `gm`: exported to a functional ATen graph (weights stay inputs, never
     constants), with devices made host ones (StableHLO has none), then imported by Torch-MLIR.
@@ -77,6 +116,8 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> str:
         **get_decomposition_table(),
         **get_decompositions([aten._scaled_dot_product_flash_attention_for_cpu]),
         aten._scaled_dot_product_fused_attention_overrideable.default: _fused_attention,
+        aten._scaled_dot_product_fused_attention_overrideable_backward.default: _fused_attention_backward,
+        aten.slice_backward.default: _slice_backward,
     }
     with torch._guards.tracing(None):
         graph, _ = aot_export_module(gm, example_inputs, trace_joint=False, decompositions=decompositions)

@@ -24,6 +24,7 @@ from transformers.distributed import DistributedConfig
 from ..generation import enable_compiled_generation
 from ..loading import load_pretrained
 from ..patches import apply_patches
+from ..training import save_random_ops_when_checkpointing, trainer_integration
 
 
 class _NeuronAutoMixin:
@@ -147,8 +148,11 @@ class _NeuronAutoMixin:
             tp_size=tp_size, **config_kwargs,
         )
         apply_patches(model, None if patches is True else () if patches is False else patches)
-        if cls.compiled_generation and model.device.type == "neuron":
-            enable_compiled_generation(model, saved=model.neuron_checkpoint_folder)
+        if model.device.type == "neuron":
+            trainer_integration.enable()  # Trainer on `neuron` (see optimum_neuron_torch.training)
+            save_random_ops_when_checkpointing(model)
+            if cls.compiled_generation:
+                enable_compiled_generation(model, saved=model.neuron_checkpoint_folder)
         return model
 
 

@@ -134,6 +134,9 @@ class CheckCommand(_LibraryCommand):
         parser.add_argument("--no-compile", action="store_true", help="Run the eager check only (no torch.compile).")
         parser.add_argument("--sequence-length", type=int, default=16,
                             help="Length of the random example input (default: 16).")
+        parser.add_argument("--training", action="store_true",
+                            help="Also check a training step: the backward pass's fallbacks, graph breaks and "
+                                 "lowering.")
 
     def failure(self) -> str:
         return f"cannot check {self.args.model}"
@@ -142,7 +145,7 @@ class CheckCommand(_LibraryCommand):
         from optimum_neuron_torch.commands.check import run_check
 
         return run_check(self.args.model, self.args.format, self.args.strict, not self.args.no_patches,
-                         not self.args.no_compile, self.args.sequence_length)
+                         not self.args.no_compile, self.args.sequence_length, self.args.training)
 
 
 class CompileCommand(_LibraryCommand):

@@ -190,7 +190,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> fused_attention_backw
   at::Tensor grad_bias;
   TORCH_CHECK(!(grad_input_mask[3] && attn_bias.defined() && attn_bias.requires_grad()),
               "neuron: the gradient of an attention bias is not supported by the fused attention kernel");
-  return {to_device(grad_q, device), to_device(grad_k, device), to_device(grad_v, device), grad_bias};
+  // Laid out as the meta function gives them (`empty_like` of query, key and value): compiled
+  // backward graphs assert these strides.
+  return {to_device(laid_out_like(grad_q, host_view(query)), device),
+          to_device(laid_out_like(grad_k, host_view(key)), device),
+          to_device(laid_out_like(grad_v, host_view(value)), device), grad_bias};
 }
 
 // ---- fused RNN cells (PyTorch routes accelerator tensors to them; CPU has no kernel) ----
