@@ -11,7 +11,7 @@ the attention outputs and dropout masks, and lets the graph compile and be cache
 from __future__ import annotations
 
 import functools
-import types
+import weakref
 from typing import Any
 
 import torch
@@ -45,8 +45,11 @@ def save_random_ops_when_checkpointing(model: torch.nn.Module) -> None:
     enable = getattr(type(model), "activation_checkpointing_enable", None)
     if enable is None or "activation_checkpointing_enable" in vars(model):
         return
+    # A plain function holding the model weakly: a bound method in the model's own dict would be a
+    # reference cycle, and the model's device memory would wait for the garbage collector.
+    owner = weakref.ref(model)
 
-    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, *args, **kwargs):
-        return enable(self, with_random_ops_saved(activation_checkpointing_kwargs), *args, **kwargs)
+    def activation_checkpointing_enable(activation_checkpointing_kwargs=None, *args, **kwargs):
+        return enable(owner(), with_random_ops_saved(activation_checkpointing_kwargs), *args, **kwargs)
 
-    model.activation_checkpointing_enable = types.MethodType(activation_checkpointing_enable, model)
+    model.activation_checkpointing_enable = activation_checkpointing_enable

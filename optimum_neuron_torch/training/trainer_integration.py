@@ -5,7 +5,7 @@ Transformers and accelerate carry `neuron` branches (device choice, the `neuron`
 (TorchNeuron) can be found: on the reference device a plain `Trainer` would silently train on the
 CPU. And no release saves the `neuron` RNG state in its checkpoints, so a resumed run with dropout
 would not repeat the uninterrupted one. Neither library has a hook for either, so this module makes
-three named, reversible adjustments (`ADJUSTMENTS`), applied once per process by
+two named, reversible adjustments (`ADJUSTMENTS`), applied once per process by
 `NeuronAutoModel*.from_pretrained` (never at import) and undone by `disable()`:
 
 - `neuron_detection` (reference device only): Transformers' `is_torch_neuron_available` and
