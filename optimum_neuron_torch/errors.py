@@ -24,6 +24,7 @@ from the C++ dispatcher, which cannot raise a Python subclass).
     ├── InsufficientDeviceMemoryError (torch.OutOfMemoryError)
     ├── UnsupportedGraphError (RuntimeError)        a graph TorchNeuron's compiler cannot take
     ├── LoweringError (RuntimeError)                a graph that does not lower to StableHLO
+    ├── CompileCacheError (RuntimeError)            a compiled-graph entry or a cache remote that cannot be used
     ├── CollectiveArgumentError (ValueError)        a collective given tensors it cannot take (names them)
     ├── CollectiveError (torch.distributed.DistBackendError)
     │                                               a collective that failed: a peer exited or timed out
@@ -106,6 +107,12 @@ class UnsupportedGraphError(NeuronTorchError, RuntimeError):
 class LoweringError(NeuronTorchError, RuntimeError):
     """A graph does not lower to StableHLO, so TorchNeuron's compiler could not take it; the
     message is Torch-MLIR's first diagnostic."""
+
+
+class CompileCacheError(NeuronTorchError, RuntimeError):
+    """A compiled graph that cannot be used (its files do not match their checksums), or a cache
+    remote that cannot be read or written (`cache push` / `cache pull`): the message names the
+    entry or the destination."""
 
 
 class CollectiveArgumentError(NeuronTorchError, ValueError):

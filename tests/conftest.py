@@ -11,6 +11,7 @@ from hypothesis import settings
 
 import optimum_neuron_torch  # noqa: F401  (activates the neuron device)
 from optimum_neuron_torch.device import reference
+from optimum_neuron_torch.settings import parse_flag
 
 # Property-based tests draw the same examples in every run, CI's included (`ci`, the default); a longer,
 # random search: HYPOTHESIS_PROFILE=long python -m pytest tests/test_checkpoint_errors.py -k mutated
@@ -37,9 +38,29 @@ SLOW_FILES_FIRST = [
 ]
 
 
+# Tests in tiers, as Transformers' (its `@slow`, run when RUN_SLOW=1): `python -m pytest` runs the fast
+# tier, which calls every public function at least once (tests/test_layout.py checks it);
+# `RUN_SLOW=1 python -m pytest -m slow` runs the slow tier alone, `RUN_SLOW=1 python -m pytest` both.
+# A test is slow when it mostly repeats, at a larger size or over more cases, what a fast test covers.
+RUN_SLOW = parse_flag("RUN_SLOW")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: a slow test, run only when RUN_SLOW=1 (the slow tier)")
+
+
 def pytest_collection_modifyitems(config, items):
+    if not RUN_SLOW:
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
     rank = {name: index for index, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def pytest_report_header(config):
+    return "slow tier: " + ("run (RUN_SLOW=1)" if RUN_SLOW else "not run (RUN_SLOW=1 runs it)")
 
 
 @pytest.fixture

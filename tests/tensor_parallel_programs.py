@@ -47,9 +47,9 @@ def _gathered(value) -> list:
 
 
 def _settled_memory(expected: int) -> int:
-    """Device memory in use, once it reaches `expected` or after 2 s: gloo's thread drops its references to
-    a collective's tensors a moment after the collective returns."""
-    deadline = time.monotonic() + 2
+    """Device memory in use, once it reaches `expected` or after 30 s: gloo's thread drops its references to
+    a collective's tensors a moment after the collective returns (later on a loaded machine)."""
+    deadline = time.monotonic() + 30
     while torch.neuron.memory_allocated() != expected and time.monotonic() < deadline:
         gc.collect()
         time.sleep(0.01)

@@ -34,6 +34,26 @@ def test_plain_architectures_run_natively(folders, name):
     assert report.stablehlo == "1 of 1 compiled graph(s) lower to StableHLO"
     assert [use.dtype for use in report.dtypes] == ["int64"]  # token ids: narrowed to int32 on TorchNeuron
     assert report.patches == [] and report.dynamic_shapes == []
+    if name in ("llama", "gpt2"):  # the generative ones: the compile bill of their default buckets
+        assert report.compile_bill[1].startswith("graphs to compile: ")
+        assert "Compiled generation: the compile bill" in report.render()
+
+
+def test_the_compile_bill_counts_the_graphs_of_the_buckets(folders):
+    report = ont.check(str(folders["llama"]), compile=False)
+    config = json.loads((folders["llama"] / "config.json").read_text())
+    length = min(config["max_position_embeddings"], 2048)
+    model = ont.NeuronAutoModelForCausalLM.from_pretrained(folders["llama"])
+    assert report.compile_bill == model.compile_bill()
+    assert report.compile_bill[0].startswith("buckets: batch sizes [1, 2, 4, 8], prompt buckets [16")
+    assert f"max length {length}" in report.compile_bill[0]
+    graphs = len(model.neuron_generation.graph_plan())
+    assert report.compile_bill[2] == (f"distinct graphs after layer reuse: {graphs} "
+                                      f"(each graph holds all {config['num_hidden_layers']} decoder layers inline; "
+                                      "no layer is compiled once and reused)")
+    bill = model.compile_bill(batch_sizes=(1,), prompt_buckets=(16,), max_length=64, context_buckets=(32,))
+    assert bill[1] == "graphs to compile: 4 graphs: 1 prefill, 2 decode, 1 chunk"
+    assert model.neuron_generation.buckets.batch_sizes == (1, 2, 4, 8)  # the bill changed nothing
 
 
 def test_t5_relative_position_buckets_fall_back(folders):
@@ -67,6 +87,7 @@ def test_complex_rope_is_reported_then_fixed_by_its_patch():
     assert getattr(model, "neuron_patches", []) == []  # the check reverted its patch
 
 
+@pytest.mark.slow
 def test_nonzero_routing_is_reported_then_fixed_by_its_patch():
     model = CASES["mixtral"].build()  # experts_implementation="eager": the nonzero loop
     unpatched = ont.check(model, patches=False)
@@ -196,6 +217,7 @@ def test_training_check_reports_what_only_the_backward_pass_hits():
     assert json.loads(report.render("json"))["backward_fallbacks"][0]["calls"] == 1
 
 
+@pytest.mark.slow
 def test_training_check_of_a_language_model_and_the_cli(folders):
     report = ont.check(str(folders["llama"]), training=True)
     assert report.training and report.training_error is None and report.training_compile_error is None

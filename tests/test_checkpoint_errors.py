@@ -361,6 +361,7 @@ def mutations(draw):
     return kind, draw(st.integers(min_value=0, max_value=2**31)), draw(st.integers(min_value=0, max_value=255))
 
 
+@pytest.mark.slow
 @settings(suppress_health_check=[HealthCheck.function_scoped_fixture])  # examples: the profile's (conftest)
 @given(mutation=mutations())
 def test_mutated_checkpoints_load_correctly_or_fail_cleanly(pristine, tmp_path_factory, mutation):

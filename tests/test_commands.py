@@ -61,8 +61,11 @@ def cpu_greedy_text(folder: Path, inputs: dict[str, torch.Tensor]) -> str:
     (("generate",), ["prompt", "--model", "--max-new-tokens", "--do-sample", "--temperature", "--top-k", "--top-p",
                      "--seed", "--no-chat-template", "--system"]),
     (("check",), ["model", "--format", "--strict", "--no-patches", "--no-compile", "--sequence-length"]),
-    (("compile",), ["model", "--batch-sizes", "--prompt-buckets", "--max-length", "--context-buckets", "--save"]),
-    (("cache",), ["list", "stats", "clear"]),
+    (("compile",), ["model", "--batch-sizes", "--prompt-buckets", "--max-length", "--context-buckets", "--save",
+                    "--dry-run"]),
+    (("cache",), ["list", "stats", "clear", "push", "pull"]),
+    (("cache", "push"), ["destination", "hf://"]),
+    (("cache", "pull"), ["source", "@revision"]),
     (("cache", "list"), ["List the compiled graphs"]),
     (("cache", "stats"), ["Show where the compile cache is"]),
     (("cache", "clear"), ["Remove every compiled graph"]),
@@ -116,6 +119,15 @@ def test_compile_reports_its_graphs_and_saves_them_with_the_model(chat_model, co
     again = optimum_cli("compile", str(saved), *BUCKETS, env={CACHE_ENV: str(tmp_path / "cache")})
     assert again.returncode == 0, again.stderr[-3000:]
     assert "0 graphs compiled" in again.stdout and "4 loaded from the compile cache" in again.stdout
+
+
+def test_compile_dry_run_prints_the_bill_and_compiles_nothing(chat_model, tmp_path):
+    done = optimum_cli("compile", str(chat_model), *BUCKETS, "--dry-run", env={CACHE_ENV: str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the same 4 graphs `compile` reports compiling for these buckets (test above)
+    assert "MistralForCausalLM: the compile bill (--dry-run: nothing compiled)" in done.stdout
+    assert "graphs to compile: 4 graphs: 1 prefill, 2 decode, 1 chunk" in done.stdout
+    assert list(CompileCache(tmp_path / "cache").entries()) == []
 
 
 def test_env_reports_backend_versions_devices_and_caches(tmp_path):

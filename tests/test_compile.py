@@ -51,6 +51,7 @@ def test_other_modes_warn_and_compile_as_default():
     assert out.device.type == "neuron" and out.cpu().tolist() == [0.0, 6.0]
 
 
+@pytest.mark.slow
 def test_transformers_static_cache_generate_compiles_its_decode_step(llama):
     """Transformers auto-compiles the decode step on a `neuron` device with a static cache and picks
     backend "neuron": the greedy tokens equal the CPU's."""

@@ -92,6 +92,7 @@ def test_a_second_process_loads_instead_of_compiling(saved_llama, filled_cache, 
     assert vector_isa_probes_in(cache) == []  # (compiling probes in Inductor's shared cache too)
 
 
+@pytest.mark.slow
 def test_two_processes_compiling_the_same_graphs_leave_one_valid_entry_each(saved_llama, tmp_path):
     processes = [generate_in_subprocess(saved_llama, tmp_path / "cache") for _ in range(2)]
     first, second = (result(process) for process in processes)
@@ -152,6 +153,7 @@ def test_a_model_saved_precompiled_arrives_precompiled(saved_llama, filled_cache
     assert arrived["misses"] == 0 and arrived["hits"] == 2
 
 
+@pytest.mark.slow
 def test_a_second_model_of_the_same_shapes_saves_its_graphs_too(saved_llama, tmp_path):
     """Dynamo runs the graphs compiled for the first model again for the second without asking the
     backend: the second model must still know (and save) its graphs."""

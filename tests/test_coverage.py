@@ -13,6 +13,8 @@ import pytest
 import transformers
 from transformers import CONFIG_MAPPING
 
+pytestmark = pytest.mark.slow  # a sample of the architecture sweep, each type in its own process
+
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("coverage_sweep", ROOT / "benchmarks" / "coverage.py")
 coverage = importlib.util.module_from_spec(_spec)

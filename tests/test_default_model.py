@@ -42,6 +42,7 @@ def concurrent_conversion(fresh_cache) -> list[subprocess.CompletedProcess]:
             for p, output in zip(processes, outputs, strict=True)]
 
 
+@pytest.mark.slow
 def test_two_processes_converting_at_once_leave_one_valid_folder(concurrent_conversion, fresh_cache):
     assert all(result.returncode == 0 for result in concurrent_conversion), (
         [r.stderr[-2000:] for r in concurrent_conversion])

@@ -96,11 +96,13 @@ def test_two_ranks(two_ranks, program):
     assert not failures(two_ranks, program), "\n".join(failures(two_ranks, program))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("program", ["device", "collectives", "dtensor"])
 def test_four_ranks(four_ranks, program):
     assert not failures(four_ranks, program), "\n".join(failures(four_ranks, program))
 
 
+@pytest.mark.slow
 def test_every_collective_checked(two_ranks, four_ranks):
     expected = {"all_reduce SUM", "all_reduce AVG", "all_reduce PREMUL_SUM", "all_reduce_coalesced",
                 "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "broadcast", "reduce",
@@ -113,24 +115,29 @@ def test_every_collective_checked(two_ranks, four_ranks):
         assert not missing
 
 
+@pytest.mark.slow
 def test_two_dimensional_mesh_ran(four_ranks):
     assert "2-D mesh full_tensor" in names(four_ranks, "dtensor")
 
 
 # ---- failures -----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("program", ["raise", "kill"])
 def test_a_failed_rank_is_named_by_the_others(tmp_path, program):
     start = time.monotonic()
-    codes, checks, errors = one_process_per_rank(tmp_path, 2, program, env={"NEURON_TEST_PG_TIMEOUT": "60"})
+    # (a timeout far beyond the time a loaded machine takes to notice the exit: the test tells the two apart)
+    codes, checks, errors = one_process_per_rank(tmp_path, 2, program, env={"NEURON_TEST_PG_TIMEOUT": "900"},
+                                                 timeout=1200)
     assert codes[1] != 0
-    assert time.monotonic() - start < 55, "rank 0 waited for the timeout instead of noticing the exit"
+    assert time.monotonic() - start < 450, "rank 0 waited for the timeout instead of noticing the exit"
     (report,) = [check for check in checks[0] if check["name"] == "collective failed"]
     assert report["ok"], report
     assert "rank(s) 1 of this group exited" in report["error"] and report["failed_ranks"] == [1]
     assert "all_reduce failed on rank 0 of 2" in report["error"]
 
 
+@pytest.mark.slow
 def test_a_stuck_rank_fails_the_others_at_the_timeout(tmp_path):
     codes, checks, _ = one_process_per_rank(tmp_path, 2, "stall", env={"NEURON_TEST_PG_TIMEOUT": "3"}, timeout=90)
     (report,) = [check for check in checks[0] if check["name"] == "collective failed"]

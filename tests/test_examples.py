@@ -10,8 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import optimum_neuron_torch as ont
 from optimum_neuron_torch.compatibility import NEEDS_PATCHES
+
+pytestmark = pytest.mark.slow  # the examples run as written, on the real default model
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 

@@ -29,12 +29,19 @@ from transformers.generation.streamers import BaseStreamer
 
 from optimum_neuron_torch import NeuronAutoModelForCausalLM
 from optimum_neuron_torch.device import reference
-from optimum_neuron_torch.generation import Buckets, disable_compiled_generation, enable_compiled_generation
+from optimum_neuron_torch.generation import (
+    Buckets,
+    describe_plan,
+    disable_compiled_generation,
+    enable_compiled_generation,
+)
 from optimum_neuron_torch.patches import apply_patches
 from tiny_models import TINY_MODELS, VOCAB
 
 BUCKETS = Buckets(batch_sizes=(1, 4), prompt_buckets=(8, 16), max_length=64)
 GREEDY = dict(do_sample=False)
+# Architectures whose generation tests run in the slow tier only (the fast tier runs Llama and Mistral).
+SLOW_ARCHITECTURES = [pytest.param(name, marks=pytest.mark.slow) for name in ("qwen2", "gemma2", "gpt2")]
 
 
 def compiled(name: str, buckets: Buckets = BUCKETS, **config_changes):
@@ -73,7 +80,7 @@ def llama():
     return cpu, model
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma2", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "mistral", *SLOW_ARCHITECTURES])
 def test_greedy_tokens_match_transformers_eager_on_cpu(name, fresh_dynamo):
     cpu, model = compiled(name, Buckets((1,), (8, 16), 64))
     for length, new_tokens in ((5, 8), (13, 10)):
@@ -120,6 +127,7 @@ def test_warm_up_compiles_one_graph_per_bucket(fresh_dynamo):
     _, model = compiled("llama", Buckets((1, 4), (8, 16), 64))
     model.precompile(show_progress=False)
     assert graphs() == 2 * (2 + 1)  # per batch bucket: a prefill per prompt bucket, and the decode step
+    assert describe_plan(model.neuron_generation.graph_plan()) == "6 graphs: 4 prefill, 2 decode"
 
 
 def test_warm_up_with_sampling_compiles_the_decode_steps_that_sample():
@@ -129,6 +137,7 @@ def test_warm_up_with_sampling_compiles_the_decode_steps_that_sample():
     torch._dynamo.utils.counters.clear()
     model.precompile(show_progress=False, sampling=True)
     assert graphs() == 3  # the prefill, the decode step, and the decode step that samples
+    assert len(model.neuron_generation.graph_plan(sampling=True)) == 3
     torch._dynamo.utils.counters.clear()
     model.generate(prompt(5), max_new_tokens=6, do_sample=True, temperature=0.7, top_p=0.9)
     assert graphs() == 0 and recompiles() == 0
@@ -370,7 +379,7 @@ def context_lengths(model) -> list[tuple[int, int]]:
     return seen
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2"])
+@pytest.mark.parametrize("name", ["llama", pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_each_step_attends_over_the_context_bucket_of_its_length(name, fresh_dynamo):
     """Context buckets 24, 48 and the cache (96): every step reads the smallest bucket that holds the
     sequence after it, from prefill to the cache's last slot, growing mid-generation over one shared
@@ -382,6 +391,10 @@ def test_each_step_attends_over_the_context_bucket_of_its_length(name, fresh_dyn
     # Per batch bucket: 2 prompt buckets' prefills (context 24), a decode step per context bucket, and a
     # chunk of a two-chunk prompt (16 + 16 and more) in the contexts 48 and 96.
     assert graphs() == 2 * (2 + 3 + 2) <= model.neuron_generation.graph_budget
+    plan = model.neuron_generation.graph_plan()  # the compile bill: the graphs precompile() compiled
+    assert describe_plan(plan) == "14 graphs: 4 prefill, 6 decode, 4 chunk"
+    assert sorted({(graph.role, graph.context) for graph in plan}) == [
+        ("chunk", 48), ("chunk", 96), ("decode", 24), ("decode", 48), ("decode", 96), ("prefill", 24)]
     compiled_graphs, seen = graphs(), context_lengths(model)
     for length, new_tokens, batch in [(5, 88, 1), (33, 40, 2), (20, 4, 2)]:
         ids = prompt(length, batch, seed=length)
@@ -411,7 +424,7 @@ def test_a_cache_filled_exactly_stays_compiled_and_one_past_falls_back(llama):
     assert past.tolist() == cpu.generate(ids, max_new_tokens=49, min_new_tokens=49, **GREEDY).tolist()
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "gemma2", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "mistral", *SLOW_ARCHITECTURES])
 def test_left_padding_with_and_without_a_mask_matches_eager(name, fresh_dynamo):
     """A left-padded batch (pad id 0, which no prompt uses): with its attention mask, and with none, so
     that generate() infers the mask from the pad tokens; both equal Transformers' eager generate()."""
@@ -442,6 +455,7 @@ def noisy_model(config) -> torch.nn.Module:
     return model
 
 
+@pytest.mark.slow
 def test_a_decoder_numbering_positions_by_cache_slot_keeps_its_prompt_length(fresh_dynamo):
     """MBart's decoder (no position_ids: learned positions from the cache length) would see its
     positions shifted by left padding: its prompts are not padded, a prefill graph per length."""
@@ -462,16 +476,18 @@ def test_a_decoder_numbering_positions_by_cache_slot_keeps_its_prompt_length(fre
 
 
 @pytest.mark.parametrize("config", [
-    GPTBigCodeConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=True),
-    FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
-                 multi_query=True,
-                 new_decoder_architecture=False),
+    pytest.param(GPTBigCodeConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=True),
+                 id="gpt_bigcode"),
+    pytest.param(FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              num_kv_heads=2, multi_query=True, new_decoder_architecture=False),
+                 id="falcon", marks=pytest.mark.slow),
     # Sliding layers with twice the key/value heads of the config's.
-    MiMoV2FlashConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, v_head_dim=8,
-                      layer_types=["full_attention", "sliding_attention"], mlp_layer_types=["dense", "dense"],
-                      sliding_window=16, max_position_embeddings=64),
-], ids=["gpt_bigcode", "falcon", "mimo_v2_flash"])
+    pytest.param(MiMoV2FlashConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, v_head_dim=8,
+                                   layer_types=["full_attention", "sliding_attention"],
+                                   mlp_layer_types=["dense", "dense"], sliding_window=16, max_position_embeddings=64),
+                 id="mimo_v2_flash", marks=pytest.mark.slow),
+])
 def test_key_value_heads_the_config_does_not_give_generate_compiled(config, fresh_dynamo):
     """Key/value heads other than those Transformers' early static-cache initialization reads from
     the config (one for multi-query attention, twice as many in MiMo's sliding layers): the cache is
@@ -516,6 +532,7 @@ class RecordingStreamer(BaseStreamer):
         pass
 
 
+@pytest.mark.slow
 def test_a_model_reading_the_cache_length_before_its_update_matches_eager(fresh_dynamo):
     """Inkling reads `get_query_offset()` before updating the cache and uses it after: a static
     layer's length tensor, incremented in place by the update, must not reach it (positions off by
@@ -543,6 +560,7 @@ def test_a_model_reading_the_cache_length_before_its_update_matches_eager(fresh_
     assert model.neuron_generation.unservable is None and recompiles() == 0
 
 
+@pytest.mark.slow
 def test_a_state_space_model_generates_compiled_and_a_prompt_past_one_chunk_eagerly(fresh_dynamo):
     """Mamba's cache holds states only: Transformers' chunked prefill cannot ask its length, and its
     scan starts from a zero state on each chunk, so a prompt is prefilled in one chunk or not compiled."""

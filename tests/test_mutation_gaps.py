@@ -4,6 +4,7 @@ generation buckets."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
@@ -334,7 +335,8 @@ def test_an_entry_is_built_with_its_metadata_and_found_again(tmp_path):
     entry, built = cache.get_or_build(key_, build)
     assert built and entry.key == key_ and entry.path == cache.path(key_)
     assert before <= entry.metadata["created"] <= time.time()
-    assert entry.metadata == {"key": key_, "created": entry.metadata["created"], "size": 5}
+    assert entry.metadata == {"key": key_, "created": entry.metadata["created"], "size": 5,
+                              "files": {"sub/graph.bin": hashlib.sha256(b"12345").hexdigest()}}
     assert (entry.path / "entry.json").read_text() == json.dumps(entry.metadata, indent=1, sort_keys=True)
     assert cache.get(key_) == entry and entry.size == 5 + len((entry.path / "entry.json").read_bytes())
     assert (tmp_path / "locks" / f"{key_}.lock").exists() and list((tmp_path / "tmp").iterdir()) == []

@@ -10,6 +10,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.slow  # the notebooks run as written, on the real default model
+
 NOTEBOOKS = Path(__file__).parent.parent / "notebooks"
 # What each notebook must print: a notebook that runs but shows the wrong thing fails too.
 EXPECTED = {

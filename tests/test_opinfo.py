@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from opinfo_harness import (
     EXPECTED_FAILURES_FILE,
     MIN_PASS_RATE,
@@ -16,6 +18,8 @@ from opinfo_harness import (
     run_sweep,
     summarize,
 )
+
+pytestmark = pytest.mark.slow  # PyTorch's whole OpInfo database
 
 
 def test_opinfo_sweep():

@@ -271,7 +271,7 @@ def test_clients_that_disconnect_free_their_slots(server, client, cpu_model, tok
         thread.start()
     for thread in threads:
         thread.join()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while (engine.busy_slots or engine.waiting) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert (engine.busy_slots, engine.waiting) == (0, 0)
@@ -401,6 +401,7 @@ def test_the_command_serves_on_localhost_and_drains_on_sigterm(folder, cpu_model
         httpx.get(url + "/health")
 
 
+@pytest.mark.slow
 def test_a_model_split_between_two_ranks_serves_the_same_answers(tmp_path):
     """`serve --tp-size 2`: rank 0 speaks HTTP, rank 1 runs the same steps; the answers are the whole
     model's on the CPU, also for more requests than slots; SIGTERM stops both ranks, status 0."""

@@ -209,6 +209,7 @@ def test_torchneuron_without_neuron_cores(torchneuron):
     assert result.stderr.count("TorchNeuron is installed but this machine has no NeuronCores") == 1
 
 
+@pytest.mark.slow
 def test_forcing_a_backend_with_torchneuron_installed(torchneuron):
     result = torchneuron.python(DETECT, env={"OPTIMUM_NEURON_TORCH_BACKEND": "reference"})
     assert result.stdout.startswith("BackendConflictError") and "TORCH_DEVICE_BACKEND_AUTOLOAD=0" in result.stdout
@@ -310,6 +311,33 @@ def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llam
     assert out["neffs"] == 2 and out["tokens"] == expected
     assert out["compiled"] == 0 and out["neff_cache_hits"] == 2
 
+    # `cache push` / `cache pull` carry TorchNeuron's NEFF cache: a third machine pulls the first's
+    # NEFFs and generates with the plain model folder (no saved artifacts), compiling nothing.
+    remote_folder = tmp_path / "remote"
+    pushed = torchneuron.cli("cache", "push", str(remote_folder),
+                             env={"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff_a")})
+    assert pushed.returncode == 0 and "pushed 2 compiled graphs" in pushed.stdout, pushed.stderr[-3000:]
+    pulled = torchneuron.cli("cache", "pull", str(remote_folder),
+                             env={"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff_c")})
+    assert pulled.returncode == 0 and "pulled 2 compiled graphs" in pulled.stdout, pulled.stderr[-3000:]
+    result = torchneuron.python(
+        f"""
+        import json, torch, optimum_neuron_torch as ont
+        from torch_neuronx.neuron_dynamo_backend import backend
+
+        model = ont.NeuronAutoModelForCausalLM.from_pretrained({str(llama)!r})
+        model.precompile(batch_sizes=(1,), prompt_buckets=(16,), max_length=32, show_progress=False)
+        ids = torch.tensor([{prompt}])
+        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                                do_sample=False)
+        print(json.dumps({{"tokens": tokens[0].tolist(), **backend._stats}}))
+        """,
+        env={"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff_c")},
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    out = _last_json(result.stdout)
+    assert out["tokens"] == expected and out["compiled"] == 0 and out["neff_cache_hits"] == 2
+
 
 def test_saving_without_compiled_artifacts_says_so(torchneuron, llama, tmp_path):
     result = torchneuron.python(
@@ -326,6 +354,7 @@ def test_saving_without_compiled_artifacts_says_so(torchneuron, llama, tmp_path)
 
 # ---- env and the fallback policy --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_env_separates_user_settings_from_torchneuron_defaults(torchneuron, tmp_path):
     result = torchneuron.cli("env", "--format", "json",
                              env={"NEURON_RT_DBG_ZEROCOPY": "0",
@@ -413,6 +442,7 @@ def test_untested_torch_warns_once(monkeypatch):
         reference._warn_if_untested_torch()
 
 
+@pytest.mark.slow
 def test_the_standin_neuron_process_group_runs_collectives_across_processes(torchneuron, tmp_path):
     # The `neuron` c10d backend that multi-core code meets on TorchNeuron: two ranks under torchrun, one core each.
     script = tmp_path / "ranks.py"

@@ -56,12 +56,14 @@ def test_plain_trainer_trains_on_neuron_like_the_cpu(folder, cpu_run, tmp_path):
     _assert_same_losses(run, _jsonable(cpu_run))
 
 
+@pytest.mark.slow
 def test_ddp_on_two_ranks_like_one_cpu_process(folder, cpu_run, tmp_path):
     run = _launch(tmp_path, folder, 2, output_dir=str(tmp_path / "out"), steps=STEPS)
     assert run["distributed_type"] == "DistributedType.MULTI_NEURON" and run["devices"] == ["neuron"]
     _assert_same_losses(run, _jsonable(cpu_run))
 
 
+@pytest.mark.slow
 def test_fsdp2_shards_over_neuron_and_resumes_at_another_world_size(folder, cpu_run, tmp_path):
     run = _launch(tmp_path, folder, 2, output_dir=str(tmp_path / "out"), steps=STEPS, fsdp=True, save_steps=10)
     assert run["distributed_type"] == "DistributedType.FSDP" and run["devices"] == ["neuron"]
@@ -96,6 +98,7 @@ def test_resume_restores_the_neuron_rng_state(folder, tmp_path):
     assert abs(unrestored["losses"][5] - whole["losses"][5]) > 1e-4
 
 
+@pytest.mark.slow
 def test_compiled_steps_stop_recompiling_over_random_lengths(folder, tmp_path):
     # 50 steps of 4 examples whose lengths vary at random (3 to 60 tokens, the longest of a batch in any of the
     # three buckets): one compiled graph per bucket, then none.
@@ -176,11 +179,16 @@ def test_bf16_autocast_on_neuron_trains(folder, tmp_path):
     assert losses[-1] < losses[0] - 0.5, losses
 
 
+@pytest.mark.slow
 def test_script_for_torchneuron_runs_compiled_with_checkpointing(folder, cpu_run, tmp_path):
     # Deliver 1's script: bf16, gradient checkpointing and torch.compile together; checked in fp32 against the CPU.
     run = _jsonable(train(folder, tmp_path / "fp32", steps=6, gradient_checkpointing=True, torch_compile=True))
     _assert_same_losses(run, _jsonable(cpu_run), steps=range(1, 7))
     uncached = cache_stats().uncached
+    # (a fresh Dynamo, as in a new process: Transformers >= 5.25 wraps every model's forward in one
+    # deprecation function, whose code object shares Dynamo's recompile limit, 8, across all the models a
+    # process compiled; past it, Dynamo runs that code eagerly)
+    torch._dynamo.reset()
     bf16 = train(folder, tmp_path / "bf16", steps=3, gradient_checkpointing=True, torch_compile=True, bf16=True)
     assert bf16["mixed_precision"] == "bf16" and bf16["devices"] == ["neuron"] and len(bf16["losses"]) == 3
     # autocast inside checkpointing: AOTAutograd will not serialize that graph, so it ran without being cached
@@ -203,6 +211,7 @@ def test_adjustments_are_listed_and_reversible(folder, tmp_path):
     assert TrainingArguments(tmp_path, report_to=[], bf16=True).device.type == "neuron"
 
 
+@pytest.mark.slow
 def test_lora_trains_saves_reloads_and_merges_on_neuron(folder, tmp_path):
     from peft import LoraConfig, PeftModel, get_peft_model
 

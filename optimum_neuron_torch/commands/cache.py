@@ -1,7 +1,10 @@
-"""`optimum-cli neuron-torch cache list|stats|clear`: the cache of compiled graphs."""
+"""`optimum-cli neuron-torch cache list|stats|clear|push|pull`: the cache of compiled graphs."""
 
 from __future__ import annotations
 
+import sys
+
+from ..compiler import remote
 from ..compiler.cache import CompileCache
 from ..device import backend_info
 from ..settings import neff_cache_dir
@@ -36,3 +39,18 @@ def clear_cache() -> None:
     """Removes every compiled graph."""
     cache = CompileCache()
     print(f"removed {cache.clear()} compiled graphs from {cache.root}")
+
+
+def push_cache(destination: str) -> None:
+    """Copies the compiled graphs to `destination` (a folder, an fsspec URL or `hf://org/repo`)."""
+    report = remote.push(destination)
+    print(report.summary("pushed", destination))
+
+
+def pull_cache(source: str) -> None:
+    """Copies the compiled graphs at `source` that this environment can use into the compile cache;
+    the entries skipped are listed on stderr, each with why."""
+    report = remote.pull(source)
+    for reason in report.skipped:
+        print(f"skipped {reason}", file=sys.stderr)
+    print(report.summary("pulled", source))

@@ -21,13 +21,19 @@ from .models import load_generative_model
 def compile_model(model_id: str, batch_sizes: tuple[int, ...] | None = None,
                   prompt_buckets: tuple[int, ...] | None = None,
                   max_length: int | None = None, save: str | os.PathLike[str] | None = None,
-                  tp_size: int = 1, context_buckets: tuple[int, ...] | None = None) -> None:
+                  tp_size: int = 1, context_buckets: tuple[int, ...] | None = None, dry_run: bool = False) -> None:
     """Runs `model.precompile()` for these buckets (None: the model's own), with its progress bar,
     prints how many graphs were compiled and how many were loaded from the cache, and saves the
-    model, its compiled graphs and its tokenizer (when it has one) in `save`. With `tp_size`
-    above 1 this process is one rank of a job of `tp_size` (see `launch`); rank 0 reports."""
+    model, its compiled graphs and its tokenizer (when it has one) in `save`. With `dry_run`, prints
+    the graphs it would compile (the compile bill) and compiles nothing. With `tp_size` above 1 this
+    process is one rank of a job of `tp_size` (see `launch`); rank 0 reports."""
     model = load_generative_model(model_id, tp_size)
     first = is_first_rank()
+    if dry_run:
+        if first:
+            bill = model.compile_bill(batch_sizes, prompt_buckets, max_length, context_buckets)
+            print("\n".join([f"{type(model).__name__}: the compile bill (--dry-run: nothing compiled)", *bill]))
+        return
     reset_cache_stats()
     model.precompile(batch_sizes, prompt_buckets, max_length, show_progress=first, context_buckets=context_buckets)
     if save is not None:

@@ -103,6 +103,7 @@ class CompatibilityReport:
     training_unlowered_ops: list[UnloweredOp] = field(default_factory=list)
     training_stablehlo: str = "skipped: install the `stablehlo` extra (torch-mlir) to check lowering"
     training_error: str | None = None
+    compile_bill: list[str] = field(default_factory=list)  # compiled generation's graphs (see `buckets.compile_bill`)
 
     def decide(self) -> str:
         """The verdict: blocked > needs patches > runs with fallbacks > runs natively."""
@@ -158,6 +159,8 @@ class CompatibilityReport:
             ("Ops with value-dependent output shapes (a new compile per shape)", dynamic or ["none"]),
             ("Patches applied", patches or ["none"]),
         ]
+        if self.compile_bill:
+            sections.append(("Compiled generation: the compile bill", self.compile_bill))
         return sections + (self._training_sections() if self.training else [])
 
     def _training_sections(self) -> list[tuple[str, list[str]]]:

@@ -409,5 +409,8 @@ def check(model_or_id: torch.nn.Module | str | os.PathLike[str],
             if training and report.eager_error is None:
                 report.training = True
                 _training_run(model, inputs, report, compile)
+    generation = getattr(model, "neuron_generation", None)
+    if generation is not None:
+        report.compile_bill = generation.compile_bill()
     report.decide()
     return report

@@ -5,6 +5,12 @@ An entry is built in a private temporary directory and renamed into place, under
 two processes compiling the same graph at once both succeed and leave one valid entry (the
 second finds the first's), and an interrupted or failed compile leaves nothing that blocks a
 retry. Entries are sharded by key prefix (`ab/cd/abcd...`).
+
+Keys hold no path, user or host: a graph is identified by its code, its inputs' layout and the
+environment it was compiled in (see `graph_key`), so entries can be copied between machines and
+folders (`compiler.remote`). Each entry records the SHA-256 of its files; an entry whose files do
+not match (truncated, tampered with) is never loaded: it is removed, with a warning naming it, and
+the graph is compiled again.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ import json
 import os
 import shutil
 import time
+import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +31,12 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..errors import CompileCacheError
 from ..settings import compile_cache_dir
 from ..staging import build_once
 
 METADATA = "entry.json"
+CHECKSUMS = "files"  # the metadata field holding {relative path: SHA-256} of each file of the entry
 
 
 @dataclass
@@ -66,6 +76,36 @@ class Entry:
     @property
     def size(self) -> int:
         return sum(file.stat().st_size for file in self.path.rglob("*") if file.is_file())
+
+
+def file_digest(path: Path) -> str:
+    """The SHA-256 of a file, in hex."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def folder_checksums(folder: Path) -> dict[str, str]:
+    """{path relative to `folder`: SHA-256} of every file in it but the metadata."""
+    return {file.relative_to(folder).as_posix(): file_digest(file) for file in sorted(folder.rglob("*"))
+            if file.is_file() and file.relative_to(folder).as_posix() != METADATA}
+
+
+def entry_problem(folder: Path, metadata: dict[str, Any]) -> str | None:
+    """Why the entry in `folder` must not be loaded (a file missing, or not the one recorded), or None.
+    Files added since (Inductor may add lock files when it loads kernels) are not a problem."""
+    recorded = metadata.get(CHECKSUMS)
+    if not isinstance(recorded, dict):
+        return "it records no checksums of its files (written by an older version of the library)"
+    for name, expected in sorted(recorded.items()):
+        path = folder / name
+        if not path.is_file():
+            return f"its file {name} is missing"
+        if file_digest(path) != expected:
+            return f"its file {name} is not the one compiled (SHA-256 differs: truncated or modified)"
+    return None
 
 
 def _describe(value: Any) -> str:
@@ -127,23 +167,50 @@ class CompileCache:
         return Entry(key, path, metadata)
 
     def get_or_build(self, key: str, build: Callable[[Path], dict[str, Any]]) -> tuple[Entry, bool]:
-        """The entry for `key`, built by `build(folder)` when missing; also says whether it was
+        """The entry for `key`, built by `build(folder)` when missing, or when the entry found does
+        not match its checksums (then removed, with a warning naming it); also says whether it was
         built here. `build` fills a fresh folder and returns the entry's metadata."""
         entry = self.get(key)
-        if entry is not None:  # the usual case, every cached graph: one read of the metadata
-            return entry, False
+        if entry is not None:  # the usual case, every cached graph: its files checked against their checksums
+            problem = entry_problem(entry.path, entry.metadata)
+            if problem is None:
+                return entry, False
+            self.discard(key, problem)
 
         def build_entry(folder: Path) -> None:
             metadata = {"key": key, "created": time.time(), **build(folder)}
+            metadata[CHECKSUMS] = folder_checksums(folder)
             (folder / METADATA).write_text(json.dumps(metadata, indent=1, sort_keys=True))
 
         built = build_once(self.path(key), build_entry, lock=self.root / "locks" / f"{key}.lock",
                            staging_parent=self.root / "tmp", is_complete=lambda folder: self.get(key) is not None)
         return self.get(key), built
 
+    def discard(self, key: str, reason: str) -> None:
+        """Removes the entry of `key`, which must not be loaded because of `reason`, with a warning
+        naming it. (Renamed away first: a process that looks meanwhile finds no entry, never half a one.)"""
+        warnings.warn(f"Compile cache entry {key} in {self.root} is not loaded: {reason}. Its graph is compiled "
+                      "again.", stacklevel=3)
+        trash = self.root / "tmp" / f".discarded.{key}.{uuid.uuid4().hex[:8]}"
+        trash.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(self.path(key), trash)
+        except OSError:  # (already removed by another process)
+            return
+        shutil.rmtree(trash, ignore_errors=True)
+
     def add(self, source: Path) -> Entry:
-        """Copies an entry folder (e.g. one shipped with a saved model) into the cache."""
+        """Copies an entry folder (e.g. one shipped with a saved model, or pulled from a remote) into
+        the cache; an entry of this key already there is kept.
+
+        Raises:
+            CompileCacheError: the folder's files do not match the checksums it records (named).
+        """
         metadata = json.loads((Path(source) / METADATA).read_text())
+        problem = entry_problem(Path(source), metadata)
+        if problem is not None:
+            raise CompileCacheError(f"compiled graph {metadata.get('key')} in {source} cannot be added to the compile "
+                                    f"cache: {problem}.")
 
         def copy(folder: Path) -> dict[str, Any]:
             shutil.copytree(source, folder, dirs_exist_ok=True)

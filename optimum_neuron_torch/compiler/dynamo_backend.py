@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..errors import LoweringError, UnsupportedGraphError
+from ..errors import LoweringError, UnsupportedGraphError, first_line
 from . import artifact, partition
 from .cache import STATS, CompileCache, graph_key
 
@@ -111,8 +111,9 @@ def compile_cached(gm: torch.fx.GraphModule, example_inputs: list[Any], options:
         return {"environment": environment, "input_shapes": inputs, **compiled}
 
     start = time.perf_counter()
+    cache = CompileCache()
     try:
-        entry, built = CompileCache().get_or_build(key, build)
+        entry, built = cache.get_or_build(key, build)
     except artifact.UncacheableGraph as uncacheable:
         STATS.misses += 1
         STATS.uncached += 1
@@ -126,7 +127,14 @@ def compile_cached(gm: torch.fx.GraphModule, example_inputs: list[Any], options:
         STATS.compile_seconds += time.perf_counter() - start
     if strict_lowering and artifact.lowering_failed(entry.metadata.get("stablehlo", artifact.LOWERS)):
         raise LoweringError(entry.metadata["stablehlo"])
-    compiled = artifact.load(entry.path)
+    try:
+        compiled = artifact.load(entry.path)
+    except Exception as error:  # an entry that matches its checksums but does not load is never used
+        if built:
+            raise
+        cache.discard(key, f"it does not load ({type(error).__name__}: {first_line(error)})")
+        return compile_cached(gm, example_inputs, options, strict_lowering=strict_lowering,
+                              lowering_failure=lowering_failure)
     if not built:
         STATS.hits += 1
         STATS.load_seconds += time.perf_counter() - start

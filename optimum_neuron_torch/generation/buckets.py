@@ -4,6 +4,7 @@ context-length buckets and one KV cache length."""
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -116,3 +117,72 @@ def default_context_buckets(max_length: int) -> tuple[int, ...]:
     while buckets[0] // 4 >= SMALLEST_CONTEXT_BUCKET:
         buckets.insert(0, buckets[0] // 4)
     return tuple(buckets)
+
+
+@dataclass(frozen=True)
+class PlannedGraph:
+    """One graph compiled generation compiles: what it runs (`prefill`, `decode`, `chunk` of a long
+    prompt, `sampling decode`, `encoder`), for how many rows, on how many new tokens per row, over
+    how many cache positions (0: the encoder, which has no cache)."""
+
+    role: str
+    batch: int
+    tokens: int
+    context: int
+
+
+def graph_plan(buckets: Buckets, *, encoder_decoder: bool = False, sampling: bool = False,
+               chunks: bool = True) -> list[PlannedGraph]:
+    """Every graph `precompile()` compiles for `buckets`, which are all the graphs generation meets
+    (the compile bill, before anything compiles). Per batch bucket: a prefill per prompt bucket
+    (over the context bucket that holds it), a decode step per context bucket, with several context
+    buckets a chunk of a prompt longer than the largest prompt bucket in each context bucket such a
+    prompt can meet (not for `chunks=False`: caches of state-space layers, prefilled whole), and
+    with `sampling` a decode step that samples per context bucket. Encoder-decoders: per batch and
+    prompt bucket, an encoder and a decode step over its cross-attention.
+
+    Example:
+        >>> len(graph_plan(Buckets((1, 4), (8, 16), 64)))  # per batch bucket: 2 prefills and a decode step
+        6
+    """
+    plan = []
+    for batch in buckets.batch_sizes:
+        if encoder_decoder:
+            for length in buckets.prompt_buckets:
+                plan += [PlannedGraph("encoder", batch, length, 0), PlannedGraph("decode", batch, 1, length)]
+            continue
+        windows = len(buckets.context_buckets) > 1
+        contexts = buckets.context_buckets if windows else (buckets.max_length,)
+        plan += [PlannedGraph("prefill", batch, length, buckets.context_bucket_for(length) if windows
+                              else buckets.max_length) for length in buckets.prompt_buckets]
+        plan += [PlannedGraph("decode", batch, 1, context) for context in contexts]
+        chunk = buckets.prompt_buckets[-1]
+        if windows and chunks and 2 * chunk + 2 <= buckets.max_length:
+            plan += [PlannedGraph("chunk", batch, chunk, context) for context in contexts
+                     if context >= buckets.context_bucket_for(2 * chunk)]
+        if sampling:
+            plan += [PlannedGraph("sampling decode", batch, 1, context) for context in contexts]
+    # A graph is its shapes: a chunk in the context of the largest prompt bucket's prefill is that prefill
+    distinct: dict[tuple[int, int, int, bool], PlannedGraph] = {}
+    for graph in plan:
+        distinct.setdefault((graph.batch, graph.tokens, graph.context, graph.role == "sampling decode"), graph)
+    return list(distinct.values())
+
+
+def describe_plan(plan: list[PlannedGraph]) -> str:
+    """One line: how many graphs, and how many of each role, e.g. `28 graphs: 12 prefill, 12 decode, 4 chunk`."""
+    counts = Counter(graph.role for graph in plan)
+    return f"{len(plan)} graphs: " + ", ".join(f"{count} {role}" for role, count in counts.items())
+
+
+def compile_bill(buckets: Buckets, plan: list[PlannedGraph], layers: int | None) -> list[str]:
+    """What compiled generation will compile for `buckets`, in lines for a person: the buckets, the
+    graphs by role, and how many decoder layers each graph holds (each is traced and compiled inside
+    every graph: the library does not compile a layer once and reuse it yet)."""
+    lines = [f"buckets: batch sizes {list(buckets.batch_sizes)}, prompt buckets {list(buckets.prompt_buckets)}, "
+             f"max length {buckets.max_length}, context buckets {list(buckets.context_buckets)}",
+             f"graphs to compile: {describe_plan(plan)}"]
+    if layers:
+        lines.append(f"distinct graphs after layer reuse: {len(plan)} (each graph holds all {layers} decoder layers "
+                     "inline; no layer is compiled once and reused)")
+    return lines

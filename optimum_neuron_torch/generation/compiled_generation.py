@@ -50,7 +50,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from ..compiler.dynamo_backend import recording_cache_keys
 from ..errors import CollectiveError, InsufficientDeviceMemoryError, NeuronTorchError, RankFailedError, first_line
-from .buckets import Buckets
+from .buckets import Buckets, PlannedGraph, compile_bill, graph_plan
 from .context_windows import ContextWindows
 from .interval_masks import for_graph, in_graph
 from .padding import (
@@ -512,6 +512,18 @@ class CompiledGeneration:
             )
 
     # precompile() ------------------------------------------------------------------------------
+    def graph_plan(self, buckets: Buckets | None = None, sampling: bool | None = None) -> list[PlannedGraph]:
+        """The graphs `precompile(sampling=sampling)` compiles for `buckets` (default: the model's);
+        see `buckets.graph_plan`."""
+        sampling = self.model.generation_config.do_sample if sampling is None else sampling
+        return graph_plan(buckets or self.buckets, encoder_decoder=self.encoder_decoder, sampling=sampling,
+                          chunks=not self.states_only)
+
+    def compile_bill(self, buckets: Buckets | None = None, sampling: bool | None = None) -> list[str]:
+        """`graph_plan`, in lines for a person (see `buckets.compile_bill`)."""
+        layers = getattr(self.model.config.get_text_config(decoder=True), "num_hidden_layers", None)
+        return compile_bill(buckets or self.buckets, self.graph_plan(buckets, sampling), layers)
+
     def precompile(self, show_progress: bool = True, sampling: bool | None = None) -> None:
         """Compiles (or loads from the compile cache) every graph of the bucket set: per batch
         bucket, a prompt of each prompt bucket and, when the cache has context buckets, a decode

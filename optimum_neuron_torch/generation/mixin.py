@@ -44,17 +44,33 @@ class NeuronGenerationMixin:
         bucket set not given stays as it is, except context buckets, which follow a new
         `max_length` (see `Buckets`). With `sampling` (default: whether the model's generation
         config samples), the decode steps that sample in the graph are compiled too."""
+        buckets = self._buckets_with(batch_sizes, prompt_buckets, max_length, context_buckets)
+        self.neuron_generation.set_buckets(buckets)
+        self.neuron_generation.precompile(show_progress, sampling)
+
+    def compile_bill(self, batch_sizes: tuple[int, ...] | None = None, prompt_buckets: tuple[int, ...] | None = None,
+                     max_length: int | None = None, context_buckets: tuple[int, ...] | None = None,
+                     sampling: bool | None = None) -> list[str]:
+        """What `precompile()` with these arguments would compile, in lines for a person: the
+        buckets and the graphs by role. Compiles nothing and changes nothing.
+
+        Example:
+            >>> print("\\n".join(model.compile_bill(batch_sizes=(1,))))  # doctest: +SKIP
+            buckets: batch sizes [1], prompt buckets [16, 64, 256, 1024], max length 2048, context buckets [...]
+            graphs to compile: 10 graphs: 4 prefill, 3 decode, 3 chunk
+        """
+        buckets = self._buckets_with(batch_sizes, prompt_buckets, max_length, context_buckets)
+        return self.neuron_generation.compile_bill(buckets, sampling)
+
+    def _buckets_with(self, batch_sizes: tuple[int, ...] | None, prompt_buckets: tuple[int, ...] | None,
+                      max_length: int | None, context_buckets: tuple[int, ...] | None) -> Buckets:
+        """The model's buckets with those given replaced (context buckets follow a new max_length)."""
         current = self.neuron_generation.buckets
         max_length = max_length or current.max_length
         if context_buckets is None and max_length == current.max_length:
             context_buckets = current.context_buckets
-        self.neuron_generation.set_buckets(Buckets(
-            batch_sizes or current.batch_sizes,
-            prompt_buckets or current.prompt_buckets,
-            max_length,
-            context_buckets,
-        ))
-        self.neuron_generation.precompile(show_progress, sampling)
+        return Buckets(batch_sizes or current.batch_sizes, prompt_buckets or current.prompt_buckets, max_length,
+                       context_buckets)
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Transformers' (or the model's own), after giving the cache the context bucket of this

@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 from ..compiler.artifact import compile_environment
 from ..compiler.cache import CompileCache
 from ..device import backend_info
+from ..errors import CompileCacheError
 from ..loading.checkpoint import NEURON_COMPILED_DIR, NEURON_GENERATION_NAME
 from .buckets import Buckets
 from .compiled_generation import COMPILE_CONFIG, CompiledGeneration
@@ -112,5 +113,8 @@ def restore(folder: Path, model: PreTrainedModel) -> Buckets | None:
     for key in spec.get("graphs", []):
         entry_folder = folder / NEURON_COMPILED_DIR / key
         if entry_folder.is_dir():
-            cache.add(entry_folder)
+            try:
+                cache.add(entry_folder)
+            except CompileCacheError as error:  # (that graph is compiled on first use instead)
+                warnings.warn(f"{error} It is compiled again on first use.", stacklevel=3)
     return buckets

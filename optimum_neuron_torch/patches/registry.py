@@ -9,6 +9,7 @@ import inspect
 import types
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -242,10 +243,23 @@ def code_reached(cls: type) -> tuple[types.CodeType, ...]:
         function_codes = list(_nested_codes(function.__code__))
         codes.extend(function_codes)
         for name in {name for code in function_codes for name in code.co_names}:
-            for callee in (getattr(cls, name, None), function.__globals__.get(name)):
-                if isinstance(callee, types.FunctionType) and callee.__module__ == cls.__module__:
-                    pending.append(callee)
+            for found in (getattr(cls, name, None), function.__globals__.get(name)):
+                for callee in _functions_called_by(found):
+                    if callee.__module__ == cls.__module__:
+                        pending.append(callee)
     return tuple(codes)
+
+
+def _functions_called_by(value: Any) -> list[types.FunctionType]:
+    """`value` if it is a function; for a function the `kernels` package turned into a module (with it
+    installed, Transformers >= 5.25 does so to the functions it may swap for a Hub kernel, such as
+    the gated delta rule), the functions its forward closes over, the original among them."""
+    if isinstance(value, types.FunctionType):
+        return [value]
+    if isinstance(value, nn.Module):
+        cells = getattr(type(value).forward, "__closure__", None) or ()
+        return [cell.cell_contents for cell in cells if isinstance(cell.cell_contents, types.FunctionType)]
+    return []
 
 
 @functools.cache

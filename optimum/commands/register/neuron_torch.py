@@ -167,6 +167,8 @@ class CompileCommand(_LibraryCommand):
                                  "and its quarters down to 128 with a new max-length).")
         parser.add_argument("--save", metavar="DIR",
                             help="Save the model (and its tokenizer) with its compiled graphs in DIR.")
+        parser.add_argument("--dry-run", action="store_true",
+                            help="Print the graphs these buckets compile (the compile bill); compile nothing.")
         _add_tp_size(parser)
 
     def failure(self) -> str:
@@ -180,7 +182,7 @@ class CompileCommand(_LibraryCommand):
         if self.args.tp_size > 1 and not launched():
             return launch(self.args.tp_size, sys.argv[1:])
         compile_model(self.args.model, self.args.batch_sizes, self.args.prompt_buckets, self.args.max_length,
-                      self.args.save, self.args.tp_size, self.args.context_buckets)
+                      self.args.save, self.args.tp_size, self.args.context_buckets, self.args.dry_run)
         return 0
 
 
@@ -281,13 +283,51 @@ class CacheClearCommand(_LibraryCommand):
         return 0
 
 
+class CachePushCommand(_LibraryCommand):
+    COMMAND = CommandInfo(name="push", help="Copy the compiled graphs to a folder, an fsspec URL or a Hub repo.")
+
+    @staticmethod
+    def parse_args(parser: ArgumentParser) -> None:
+        parser.add_argument("destination", help="A local folder, an fsspec URL (s3://bucket/prefix) or a Hugging "
+                                                "Face Hub repo (hf://org/repo, hf://datasets/org/repo).")
+
+    def failure(self) -> str:
+        return f"cannot push the compile cache to {self.args.destination}"
+
+    def execute(self) -> int:
+        from optimum_neuron_torch.commands.cache import push_cache
+
+        push_cache(self.args.destination)
+        return 0
+
+
+class CachePullCommand(_LibraryCommand):
+    COMMAND = CommandInfo(name="pull", help="Copy compiled graphs from a folder, an fsspec URL or a Hub repo into "
+                                            "the compile cache (each checked against its checksum and environment).")
+
+    @staticmethod
+    def parse_args(parser: ArgumentParser) -> None:
+        parser.add_argument("source", help="A local folder, an fsspec URL or a Hub repo (hf://org/repo@revision "
+                                           "pins a revision).")
+
+    def failure(self) -> str:
+        return f"cannot pull compiled graphs from {self.args.source}"
+
+    def execute(self) -> int:
+        from optimum_neuron_torch.commands.cache import pull_cache
+
+        pull_cache(self.args.source)
+        return 0
+
+
 def _subcommand(command: type[BaseOptimumCLICommand]) -> CommandInfo:
     return CommandInfo(name=command.COMMAND.name, help=command.COMMAND.help, subcommand_class=command)
 
 
 class CacheCommand(_DescribedCommand):
-    COMMAND = CommandInfo(name="cache", help="Inspect or clear the cache of compiled graphs.")
-    SUBCOMMANDS = tuple(map(_subcommand, (CacheListCommand, CacheStatsCommand, CacheClearCommand)))
+    COMMAND = CommandInfo(name="cache", help="Inspect, clear or share the cache of compiled graphs.")
+    SUBCOMMANDS = tuple(map(_subcommand, (CacheListCommand, CacheStatsCommand, CacheClearCommand, CachePushCommand,
+                                          CachePullCommand)))
 
 
 class NeuronTorchCommand(_DescribedCommand):
