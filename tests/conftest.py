@@ -33,8 +33,9 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 # theirs.
 SLOW_FILES_FIRST = [
     "test_coverage.py", "test_opinfo.py", "test_examples.py", "test_torchneuron.py", "test_default_model.py",
-    "test_notebooks.py", "test_generation.py", "test_compile_cache.py", "test_checkpoint_errors.py", "test_check.py",
-    "test_commands.py", "test_serving.py", "test_pipelines.py", "test_patches.py",
+    "test_notebooks.py", "test_generation.py", "test_compile_cache.py", "test_cache_remote.py",
+    "test_checkpoint_errors.py", "test_check.py", "test_commands.py", "test_serving.py", "test_pipelines.py",
+    "test_patches.py",
 ]
 
 

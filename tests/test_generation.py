@@ -101,6 +101,7 @@ def test_sliding_window_attention_matches_eager(fresh_dynamo):
     assert model.generate(ids.to("neuron"), max_new_tokens=12, **GREEDY).cpu().tolist() == expected.tolist()
 
 
+@pytest.mark.slow  # (the fast tier generates with an encoder-decoder in test_pipelines.py's text2text test)
 def test_seq2seq_tokens_match_transformers_eager_on_cpu(fresh_dynamo):
     cpu, model = compiled("t5", Buckets((1, 2), (8, 16), 32))
     for batch, length in ((1, 5), (1, 7), (2, 12)):

@@ -278,6 +278,7 @@ def test_sharded_load_compiled_generate_pipeline_and_check(torchneuron, llama):
     assert out["backend"].startswith("torchneuron 2.13.3.0")
 
 
+@pytest.mark.slow
 def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llama, tmp_path):
     saved = tmp_path / "saved"
     compiled = torchneuron.cli("compile", str(llama), "--batch-sizes", "1", "--prompt-buckets", "16",
