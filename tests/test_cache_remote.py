@@ -19,6 +19,7 @@ from optimum_neuron_torch.compiler.cache import CompileCache
 from optimum_neuron_torch.errors import CompileCacheError
 from optimum_neuron_torch.settings import COMPILE_CACHE_ENV
 from test_compile_cache import GENERATE
+from testing_utils import optimum_cli
 from tiny_models import TINY_MODELS
 
 PACKAGE = Path(remote.__file__).parents[1]
@@ -43,6 +44,7 @@ def generated(done: subprocess.CompletedProcess) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # (the fast tier pushes and pulls a small graph through the CLI below)
 def test_graphs_pushed_from_one_checkout_warm_start_another_at_another_path(tmp_path):
     """Checkout A (one path, one cache) compiles and pushes to a remote folder; checkout B (a copy of
     the package and of the model at other paths, another cache) pulls and compiles nothing."""
@@ -115,6 +117,20 @@ def compiled_sine(tmp_path, monkeypatch) -> Path:
     torch._dynamo.reset()
     yield tmp_path / "cache"
     torch._dynamo.reset()
+
+
+def test_cli_push_and_pull_carry_a_graph_to_another_cache(compiled_sine, tmp_path, monkeypatch):
+    remote_folder, other = tmp_path / "remote", tmp_path / "other"
+    pushed = optimum_cli("cache", "push", str(remote_folder), env={COMPILE_CACHE_ENV: str(compiled_sine)})
+    assert pushed.returncode == 0 and "pushed 1 compiled graphs (0 already there" in pushed.stdout, pushed.stderr
+    pulled = optimum_cli("cache", "pull", str(remote_folder), env={COMPILE_CACHE_ENV: str(other)})
+    assert pulled.returncode == 0 and "pulled 1 compiled graphs (0 already there, 0 skipped)" in pulled.stdout
+    assert remote.pull(str(remote_folder), CompileCache(other)).present == [entry.key for entry in
+                                                                           CompileCache(compiled_sine).entries()]
+    monkeypatch.setenv(COMPILE_CACHE_ENV, str(other))
+    before, x = cache_stats(), torch.randn(8)
+    torch.testing.assert_close(torch.compile(sine, backend="neuron", dynamic=False)(x.to("neuron")).cpu(), sine(x))
+    assert (cache_stats().misses, cache_stats().hits) == (before.misses, before.hits + 1)  # loaded, not compiled
 
 
 @pytest.mark.parametrize("damage", ["truncated", "modified", "removed"])

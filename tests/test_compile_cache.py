@@ -133,6 +133,7 @@ def test_concurrent_builders_in_one_process_build_once(tmp_path):
     assert len(built) == 1 and sum(was_built for _, was_built in results) == 1
 
 
+@pytest.mark.slow  # (the fast tier's test_commands.py compiles, saves and reloads a model precompiled)
 def test_a_model_saved_precompiled_arrives_precompiled(saved_llama, filled_cache, tmp_path):
     """precompile() then save_pretrained() (the graphs come from the first process's cache); a new
     process with an empty compile cache loads the saved graphs and compiles nothing."""

@@ -425,7 +425,7 @@ def test_a_cache_filled_exactly_stays_compiled_and_one_past_falls_back(llama):
     assert past.tolist() == cpu.generate(ids, max_new_tokens=49, min_new_tokens=49, **GREEDY).tolist()
 
 
-@pytest.mark.parametrize("name", ["llama", "mistral", *SLOW_ARCHITECTURES])
+@pytest.mark.parametrize("name", [pytest.param("llama", marks=pytest.mark.slow), "mistral", *SLOW_ARCHITECTURES])
 def test_left_padding_with_and_without_a_mask_matches_eager(name, fresh_dynamo):
     """A left-padded batch (pad id 0, which no prompt uses): with its attention mask, and with none, so
     that generate() infers the mask from the pad tokens; both equal Transformers' eager generate()."""
@@ -502,6 +502,7 @@ def test_key_value_heads_the_config_does_not_give_generate_compiled(config, fres
     assert model.neuron_generation.unservable is None
 
 
+@pytest.mark.slow
 def test_a_decoder_sizing_positions_by_the_cache_length_reads_it_as_a_scalar(fresh_dynamo):
     """TrOCR computes positions as arange(length, length + n) from the cache's length, a tensor in a
     static cache: a data-dependent size. The first compiled call finds it and generation retries

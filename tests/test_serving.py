@@ -105,6 +105,7 @@ def expected(cpu_model, tokenizer, prompt: list[int], new_tokens: int) -> tuple[
     return tokens, tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
+@pytest.mark.slow  # (the module's in-process server; the fast tier serves through the command below)
 def test_chat_and_completions_equal_transformers_streamed_or_not(client, cpu_model, tokenizer):
     question = QUESTIONS[0]
     prompt = chat_ids(tokenizer, question)
@@ -138,6 +139,7 @@ def test_chat_and_completions_equal_transformers_streamed_or_not(client, cpu_mod
         cpu_model, tokenizer, plain, 16)[1]
 
 
+@pytest.mark.slow
 def test_eight_clients_at_once_get_their_own_answers_and_nothing_compiles(server, cpu_model, tokenizer):
     """8 requests in flight (prompts of both buckets, different max_tokens, streamed or not) each
     get the tokens they get alone, and the mix compiles nothing."""
@@ -173,6 +175,7 @@ def test_eight_clients_at_once_get_their_own_answers_and_nothing_compiles(server
     assert cache_stats().misses == misses
 
 
+@pytest.mark.slow
 def test_stop_strings_end_the_text_before_them(client, cpu_model, tokenizer):
     prompt = tokenizer(QUESTIONS[2]).input_ids
     tokens, text = expected(cpu_model, tokenizer, prompt, 20)
@@ -201,6 +204,7 @@ def test_text_stream_holds_back_the_start_of_a_stop_string(tokenizer):
     assert "".join(unfinished.add(token) for token in ids) + unfinished.finish() == "the cat sat on the mat"
 
 
+@pytest.mark.slow
 def test_sampling_with_a_seed_does_not_depend_on_other_requests(server, client):
     engine, _ = server
     settings = dict(model=NAME, prompt=QUESTIONS[3], max_tokens=12, temperature=1.0, top_p=0.9, seed=7)
@@ -218,6 +222,7 @@ def test_sampling_with_a_seed_does_not_depend_on_other_requests(server, client):
     assert client.completions.create(**{**settings, "seed": 8}).choices[0].text != alone  # (the seed matters)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body, param", [
     (b'{"model": "tiny-llama", "messages": [', None),
     ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, "model"),
@@ -245,6 +250,7 @@ def test_bad_requests_get_400_naming_the_field(server, body, param):
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
 
 
+@pytest.mark.slow
 def test_completion_prompts_it_cannot_take_get_400(server):
     _, url = server
     for prompt, message in [([1, 2, 100000], "vocabulary"), (["one", "two"], "one prompt"), ([], "no tokens")]:
@@ -253,6 +259,7 @@ def test_completion_prompts_it_cannot_take_get_400(server):
         assert message in response.json()["error"]["message"]
 
 
+@pytest.mark.slow
 def test_clients_that_disconnect_free_their_slots(server, client, cpu_model, tokenizer):
     """20 clients drop their streams after a token or two: each slot is free again within a step,
     the cache's memory is as before, and the next answer is right."""
@@ -284,6 +291,7 @@ def test_clients_that_disconnect_free_their_slots(server, client, cpu_model, tok
         == expected(cpu_model, tokenizer, prompt, 8)[1]
 
 
+@pytest.mark.slow
 def test_requests_beyond_the_queue_get_429(server):
     engine, url = server
     queue_size, engine.queue_size = engine.queue_size, 2
@@ -306,6 +314,7 @@ def test_requests_beyond_the_queue_get_429(server):
     assert all(len(response.json()["choices"][0]["text"]) > 0 for response in responses if response.status_code == 200)
 
 
+@pytest.mark.slow
 def test_api_key_body_limit_health_and_models(server, folder, tokenizer):
     engine, _ = server
 
@@ -342,6 +351,7 @@ async def _chunks(data: bytes):
         yield data[start:start + 100]
 
 
+@pytest.mark.slow
 def test_the_example_client_runs_as_written(server, cpu_model, tokenizer):
     _, url = server
     example = Path(__file__).parent.parent / "examples" / "serve_client.py"

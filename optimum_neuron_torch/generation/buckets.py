@@ -170,7 +170,7 @@ def graph_plan(buckets: Buckets, *, encoder_decoder: bool = False, sampling: boo
 
 
 def describe_plan(plan: list[PlannedGraph]) -> str:
-    """One line: how many graphs, and how many of each role, e.g. `28 graphs: 12 prefill, 12 decode, 4 chunk`."""
+    """One line: how many graphs, and how many of each role, e.g. `28 graphs: 16 prefill, 12 decode`."""
     counts = Counter(graph.role for graph in plan)
     return f"{len(plan)} graphs: " + ", ".join(f"{count} {role}" for role, count in counts.items())
 

@@ -57,7 +57,7 @@ class NeuronGenerationMixin:
         Example:
             >>> print("\\n".join(model.compile_bill(batch_sizes=(1,))))  # doctest: +SKIP
             buckets: batch sizes [1], prompt buckets [16, 64, 256, 1024], max length 2048, context buckets [...]
-            graphs to compile: 10 graphs: 4 prefill, 3 decode, 3 chunk
+            graphs to compile: 7 graphs: 4 prefill, 3 decode
         """
         buckets = self._buckets_with(batch_sizes, prompt_buckets, max_length, context_buckets)
         return self.neuron_generation.compile_bill(buckets, sampling)
