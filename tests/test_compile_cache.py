@@ -208,6 +208,8 @@ def test_the_key_tells_shapes_strides_dtypes_environments_and_options_apart():
     keys = [graph_key(gm, inputs, environment, options) for inputs in variants]
     keys.append(graph_key(gm, [base], {"torch": "0.0"}, options))
     keys.append(graph_key(gm, [base], environment, {"max_autotune": True}))
+    with torch.autocast("neuron", dtype=torch.bfloat16):  # Trainer's bf16: AOTAutograd traces the casts in
+        keys.append(graph_key(gm, [base], environment, options))
     assert len(set(keys)) == len(keys)
     assert graph_key(gm, [torch.empty(4, 6)], dict(environment), {}) == keys[0]  # the same description, the same key
 

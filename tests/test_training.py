@@ -184,15 +184,18 @@ def test_script_for_torchneuron_runs_compiled_with_checkpointing(folder, cpu_run
     # Deliver 1's script: bf16, gradient checkpointing and torch.compile together; checked in fp32 against the CPU.
     run = _jsonable(train(folder, tmp_path / "fp32", steps=6, gradient_checkpointing=True, torch_compile=True))
     _assert_same_losses(run, _jsonable(cpu_run), steps=range(1, 7))
-    uncached = cache_stats().uncached
+    before = cache_stats()
     # (a fresh Dynamo, as in a new process: Transformers >= 5.25 wraps every model's forward in one
     # deprecation function, whose code object shares Dynamo's recompile limit, 8, across all the models a
     # process compiled; past it, Dynamo runs that code eagerly)
     torch._dynamo.reset()
     bf16 = train(folder, tmp_path / "bf16", steps=3, gradient_checkpointing=True, torch_compile=True, bf16=True)
     assert bf16["mixed_precision"] == "bf16" and bf16["devices"] == ["neuron"] and len(bf16["losses"]) == 3
-    # autocast inside checkpointing: AOTAutograd will not serialize that graph, so it ran without being cached
-    assert cache_stats().uncached > uncached
+    # It ran compiled: its bf16 graphs went through the neuron backend. (Before Transformers 5.25 AOTAutograd
+    # would not serialize the autocast-inside-checkpointing graph, which then ran uncached; with 5.25 it is
+    # stored: `uncached` is no longer asserted.)
+    after = cache_stats()
+    assert after.misses + after.uncached > before.misses + before.uncached
 
 
 def test_adjustments_are_listed_and_reversible(folder, tmp_path):

@@ -127,6 +127,17 @@ def _without_current_device_index(code: str) -> str:
     return code.replace(current, "device(type='neuron')")
 
 
+def _autocast_state() -> str:
+    """Whether autocast is on, and to which dtype, for the device and the CPU."""
+    states = []
+    for device in ("neuron", "cpu"):
+        try:
+            states.append(f"{device}:{torch.is_autocast_enabled(device)}:{torch.get_autocast_dtype(device)}")
+        except RuntimeError:  # (a device type autocast does not know)
+            states.append(f"{device}:unknown")
+    return "autocast=" + ",".join(states)
+
+
 def graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], environment: dict[str, str],
               options: dict[str, Any]) -> str:
     """The key of a graph: its code, its constants, its inputs' shapes, strides, dtypes and whether
@@ -143,6 +154,9 @@ def graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], environment: 
     # AOTAutograd compiles a training graph (with its backward) only under grad mode: a graph first
     # compiled under torch.no_grad() must not be what a training step gets.
     digest.update(f"grad_enabled={torch.is_grad_enabled()}".encode())
+    # Likewise autocast: under an autocast the caller entered (Trainer's bf16) AOTAutograd traces the casts into
+    # the graph, whose Dynamo code is the same as without it: a float32 graph must not serve a bf16 step.
+    digest.update(_autocast_state().encode())
     digest.update(json.dumps(environment, sort_keys=True).encode())
     digest.update(json.dumps(options, sort_keys=True, default=repr).encode())
     return digest.hexdigest()
