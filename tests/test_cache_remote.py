@@ -197,3 +197,16 @@ def test_adding_a_damaged_entry_is_refused_naming_it(compiled_sine, tmp_path):
                                                 r"compile cache: its file graph.bin is not the one compiled"):
         CompileCache(tmp_path / "other").add(shipped)
     assert list(CompileCache(tmp_path / "other").entries()) == []
+
+
+def test_a_pulled_entry_whose_files_do_not_match_its_checksums_is_skipped_naming_why(compiled_sine, tmp_path):
+    """The blob is intact (its SHA-256 is the record's) but the entry it carries was damaged before
+    the push: the pull checks the entry itself and never installs it."""
+    (entry,) = CompileCache(compiled_sine).entries()
+    (entry.path / "graph.bin").write_bytes(b"damaged before the push")
+    remote.push(str(tmp_path / "remote"), CompileCache(compiled_sine))
+    report = remote.pull(str(tmp_path / "remote"), CompileCache(tmp_path / "other"))
+    assert report.copied == [] and report.present == []
+    [skipped] = report.skipped
+    assert skipped.startswith(f"graph {entry.key}: ") and "its file graph.bin is not the one compiled" in skipped
+    assert list(CompileCache(tmp_path / "other").entries()) == []

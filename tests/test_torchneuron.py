@@ -241,6 +241,41 @@ def test_the_compile_backend_is_torchneuron_s_there_and_the_library_s_on_the_ref
     assert result.stdout.split()[-1] == "torch_neuronx.neuron_dynamo_backend.backend"
 
 
+def test_repeated_layers_compile_once_each_through_torchneuron_s_backend(torchneuron):
+    """TorchNeuron's compiler cannot take a nested compile region (`invoke_subgraph`): its own
+    backend refuses one; `regions.backend` hands it one layer graph and the pieces around it."""
+    tests = str(Path(__file__).parent)
+    result = torchneuron.python(
+        f"""
+        import sys, torch, optimum_neuron_torch
+        sys.path.insert(0, {tests!r})
+        from optimum_neuron_torch.compiler import regions
+        from torch_neuronx.neuron_dynamo_backend import backend as standin
+        from test_regions import prefill_and_decode
+        from tiny_models import TINY_MODELS
+
+        tiny = TINY_MODELS["llama"]
+        model = tiny.build().eval().to("neuron")
+        with regions.repeated_layers_as_regions(model):
+            try:
+                prefill_and_decode(model, "neuron")
+            except Exception as error:
+                print("refused:", type(error).__name__, str(error).splitlines()[1])
+            torch._dynamo.reset()
+            logits, keys = prefill_and_decode(model, regions.backend)
+        cpu_logits, cpu_keys = prefill_and_decode(tiny.build().eval())
+        for got, expected in zip([*logits, *keys], [*cpu_logits, *cpu_keys], strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        print("compiled:", standin._stats["compiled"])
+        """
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("refused: BackendCompilerFailed RuntimeError: Neuron backend NEFF execution setup failed with unexpected "
+            "error: Higher-order operation 'invoke_subgraph' not implemented in the FxImporter") in result.stdout
+    # Per shape (the prefill, the decode step): before the layers, one layer, after them.
+    assert "compiled: 6" in result.stdout, result.stdout
+
+
 # ---- models ----------------------------------------------------------------------------------------------
 
 def test_sharded_load_compiled_generate_pipeline_and_check(torchneuron, llama):

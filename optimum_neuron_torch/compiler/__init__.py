@@ -1,6 +1,6 @@
 """The `neuron` torch.compile backend (Inductor C++ code generation on the reference device) and
 the persistent cache of compiled graphs; graphs holding nodes TorchNeuron's compiler cannot take
-are split around them.
+are split around them; `regions` compiles each distinct repeated layer of a graph once.
 
 `import optimum_neuron_torch` registers it under the name `neuron` when the reference device is
 active (TorchNeuron registers its own), so `torch.compile(model, backend="neuron")` runs unchanged

@@ -80,7 +80,7 @@ def recording_partitions() -> Iterator[list[PartitionReport]]:
         _recorders.remove(reports)
 
 
-def _value(node: torch.fx.Node) -> Any:
+def recorded_value(node: torch.fx.Node) -> Any:
     """The fake value Dynamo (`example_value`) or AOTAutograd (`val`) recorded for `node`."""
     return node.meta.get("example_value", node.meta.get("val"))
 
@@ -104,8 +104,8 @@ def _computes(node: torch.fx.Node) -> bool:
 
 def _construction_reason(node: torch.fx.Node) -> str | None:
     """Why TorchNeuron's compiler cannot take `node` whatever it lowers to, or None."""
-    inputs = [_value(arg) for arg in node.all_input_nodes]
-    output = _value(node)
+    inputs = [recorded_value(arg) for arg in node.all_input_nodes]
+    output = recorded_value(node)
     for tensor in _tensors([output, inputs]):
         if tensor.is_complex():
             return "complex dtype"
@@ -113,6 +113,8 @@ def _construction_reason(node: torch.fx.Node) -> str | None:
             return "float64 dtype"
         if tensor.layout != torch.strided:
             return f"{str(tensor.layout).removeprefix('torch.')} layout"
+    if node.target is torch.ops.higher_order.invoke_subgraph:  # (compile with `regions.backend` instead)
+        return "nested compile region (TorchNeuron's FxImporter has no invoke_subgraph)"
     if free_unbacked_symbols(output):
         return "data-dependent output shape"
     if free_unbacked_symbols(inputs):
@@ -142,9 +144,9 @@ def _alone(node: torch.fx.Node) -> tuple[torch.fx.GraphModule, list[torch.Tensor
     devices), or None when its inputs or outputs are not all tensors (such a node follows the
     pieces around it)."""
     inputs = node.all_input_nodes
-    if node.op == "call_module" or not all(isinstance(_value(arg), torch.Tensor) for arg in inputs):
+    if node.op == "call_module" or not all(isinstance(recorded_value(arg), torch.Tensor) for arg in inputs):
         return None
-    output = _value(node)
+    output = recorded_value(node)
     several = isinstance(output, (tuple, list))
     outputs = list(output) if several else [output]
     if not outputs or not all(isinstance(item, torch.Tensor) for item in outputs):
@@ -154,14 +156,14 @@ def _alone(node: torch.fx.Node) -> tuple[torch.fx.GraphModule, list[torch.Tensor
     copy = graph.node_copy(node, placeholders.__getitem__)
     graph.output(tuple(graph.call_function(operator.getitem, (copy, i)) for i in range(len(outputs)))
                  if several else (copy,))
-    return torch.fx.GraphModule({}, graph), [_value(arg) for arg in inputs]
+    return torch.fx.GraphModule({}, graph), [recorded_value(arg) for arg in inputs]
 
 
 def _lowering_reason(node: torch.fx.Node) -> str | None:
     """Why `node` alone does not lower to StableHLO, or None; memoized per op, arguments and input
     shapes, dtypes and devices."""
     def describe(arg: torch.fx.Node) -> str:
-        value = _value(arg)
+        value = recorded_value(arg)
         if isinstance(value, torch.Tensor):
             return f"{tuple(value.shape)}:{value.dtype}:{value.device}"
         return type(value).__name__
@@ -190,13 +192,13 @@ def failing_to_lower(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, str]:
 
 
 class _Supported(OperatorSupportBase):
-    """The operator support the fx partitioner asks: every computing node not found unsupported."""
+    """The operator support the fx partitioner asks: every computing node not left out."""
 
-    def __init__(self, unsupported: dict[torch.fx.Node, str]) -> None:
-        self.unsupported = unsupported
+    def __init__(self, left_out: set[torch.fx.Node]) -> None:
+        self.left_out = left_out
 
     def is_node_supported(self, submodules: Any, node: torch.fx.Node) -> bool:
-        return _computes(node) and node not in self.unsupported
+        return _computes(node) and node not in self.left_out
 
 
 def _item_sources(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -260,15 +262,17 @@ class CompiledPiece(torch.nn.Module):
 
 
 def split(gm: torch.fx.GraphModule, unsupported: dict[torch.fx.Node, str],
-          compile_piece: Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
-          ) -> torch.fx.GraphModule | None:
+          compile_piece: Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]],
+          apart: set[torch.fx.Node] = frozenset()) -> torch.fx.GraphModule | None:
     """`gm` with each supported part fused into a submodule compiled by `compile_piece(piece,
-    example_inputs)` and the unsupported nodes left to run eagerly; None when there is nothing
-    to split at or no part to compile. Raises `UnsupportedGraphError` when splitting is disabled."""
+    example_inputs)` and the unsupported nodes left to run eagerly, as are the nodes `apart`
+    (which run compiled already: the calls of compiled regions, see `regions`); None when there is
+    nothing to split at or no part to compile. Raises `UnsupportedGraphError` when splitting
+    around unsupported nodes is disabled."""
     fallback = [FallbackNode(node.name, _op_name(node), reason) for node, reason in unsupported.items()]
-    if not fallback:
+    if not fallback and not apart:
         return None
-    if graph_split_disabled():
+    if fallback and graph_split_disabled():
         listed = "; ".join(f"node {item.node} ({item.op}): {item.reason}" for item in fallback)
         raise UnsupportedGraphError(
             f"This graph holds {len(fallback)} node(s) TorchNeuron's compiler cannot take, "
@@ -276,7 +280,7 @@ def split(gm: torch.fx.GraphModule, unsupported: dict[torch.fx.Node, str],
             f"refuses to split it: {listed}. Rewrite or patch the model around these ops, keep them out of the "
             f"compiled region, or unset {DISABLE_GRAPH_SPLIT_ENV} to run them eagerly between compiled pieces."
         )
-    listed = "; ".join(f"node {item.node} ({item.op}): {item.reason}" for item in fallback)
+    listed = "; ".join(f"node {item.node} ({item.op}): {item.reason}" for item in fallback) or "none"
     shared_items = [node.name for node in gm.graph.nodes if len(_item_sources(node)) > 1]
     if shared_items:
         # torch.fx's partitioner moves an item to the partition of the node it is taken from, once per
@@ -289,7 +293,7 @@ def split(gm: torch.fx.GraphModule, unsupported: dict[torch.fx.Node, str],
         raise _cannot_split(listed, len(fallback), f"node(s) {', '.join(unordered)} write into a tensor in place "
                                                    "without returning it, so a split could read the tensor before "
                                                    "the write")
-    partitioner = CapabilityBasedPartitioner(gm, _Supported(unsupported), allows_single_node_partition=True)
+    partitioner = CapabilityBasedPartitioner(gm, _Supported({*unsupported, *apart}), allows_single_node_partition=True)
     order = {node: index for index, node in enumerate(gm.graph.nodes)}
     partitions = sorted(partitioner.propose_partitions(), key=lambda partition: min(map(order.get, partition.nodes)))
     if not partitions:
@@ -299,7 +303,10 @@ def split(gm: torch.fx.GraphModule, unsupported: dict[torch.fx.Node, str],
     for node in parent.graph.find_nodes(op="call_module"):
         if node.target.startswith(PIECE_PREFIX):
             piece = getattr(parent, node.target)
-            setattr(parent, node.target, CompiledPiece(compile_piece(piece, [_value(arg) for arg in node.args])))
+            examples = [recorded_value(arg) for arg in node.args]
+            setattr(parent, node.target, CompiledPiece(compile_piece(piece, examples)))
+    if not fallback:
+        return parent
     report = PartitionReport(len(partitions), fallback)
     warnings.warn(f"{report.summary}. They run eagerly on the device; "
                   f"{DISABLE_GRAPH_SPLIT_ENV}=1 makes this an error.",

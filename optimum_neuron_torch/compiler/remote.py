@@ -39,6 +39,9 @@ from .cache import METADATA, CompileCache, entry_problem
 
 LAYOUT = "neuron-compile-cache/v1"
 GRAPH, NEFF = "graph", "neff"
+# Where a pulled NEFF is unpacked inside TorchNeuron's NEFF cache before it moves in (the same file
+# system); a push running at the same time skips it, as it skips `.tmp` and `.lock` files.
+STAGING = ".optimum-neuron-torch-staging/"
 
 
 @dataclass
@@ -104,8 +107,8 @@ def _local_entries(cache: CompileCache) -> Iterator[_Local]:
     if backend_info().name == "torchneuron":
         root = neff_cache_dir()
         for path in sorted(root.rglob("*")) if root.is_dir() else ():
-            if path.is_file() and not path.name.endswith((".tmp", ".lock")):
-                name = path.relative_to(root).as_posix()
+            name = path.relative_to(root).as_posix()
+            if path.is_file() and not path.name.endswith((".tmp", ".lock")) and not name.startswith(STAGING):
                 yield _Local(NEFF, name, root, (name,))
         return
     for entry in cache.entries():
@@ -262,16 +265,16 @@ def _install(cache: CompileCache, kind: str, name: str, blob: bytes) -> str | No
             return f"its archive holds no readable {METADATA}"
         if metadata.get("key") != name:
             return f"its archive holds the entry {metadata.get('key')!r}, not {name!r}"
-        problem = entry_problem(folder, metadata)
-        if problem is not None:
-            return problem
-        cache.add(folder)
+        try:
+            cache.add(folder)  # (checks the files against the checksums the entry records)
+        except CompileCacheError as error:
+            return str(error)
     return None
 
 
 def _staging_parent(cache: CompileCache, kind: str) -> Path:
     """Where a pulled entry is unpacked before it moves in: beside its destination (one file system)."""
-    parent = neff_cache_dir() if kind == NEFF else cache.root / "tmp"
+    parent = neff_cache_dir() / STAGING if kind == NEFF else cache.root / "tmp"
     parent.mkdir(parents=True, exist_ok=True)
     return parent
 

@@ -525,26 +525,24 @@ class CompiledGeneration:
         return compile_bill(buckets or self.buckets, self.graph_plan(buckets, sampling), layers)
 
     def precompile(self, show_progress: bool = True, sampling: bool | None = None) -> None:
-        """Compiles (or loads from the compile cache) every graph of the bucket set: per batch
-        bucket, a prompt of each prompt bucket and, when the cache has context buckets, a decode
-        step in each (a short prompt whose decode steps are held to the bucket: the graph a longer
-        sequence meets there) and a prefill chunk in each that a prompt of several chunks can need
-        (two chunks, held to the bucket). With `sampling` (default: whether the model's generation
-        config samples), also the decode steps that sample in the graph (see `sampling`)."""
+        """Compiles (or loads from the compile cache) every graph of `graph_plan(sampling=sampling)`
+        by running `generate()` once per graph with 2 new tokens: a prompt of each prompt bucket
+        (its prefill; without context buckets also the decode step), a short prompt whose decode
+        steps are held to each context bucket, a prompt of two chunks held to each context bucket a
+        chunk needs, and a short prompt sampling in each context bucket (see `sampling`)."""
         buckets = self.buckets
         windows = not self.encoder_decoder and len(buckets.context_buckets) > 1
-        contexts = buckets.context_buckets if windows else (0,)  # (0: no floor)
-        runs = [(batch, length, (0, 0), False) for batch in buckets.batch_sizes for length in buckets.prompt_buckets]
-        if windows:
-            chunk = buckets.prompt_buckets[-1]
-            for batch in buckets.batch_sizes:
-                runs += [(batch, buckets.prompt_buckets[0], (0, context), False) for context in contexts]
-                if 2 * chunk + 2 <= buckets.max_length and not self.states_only:  # (and 2 new tokens)
-                    runs += [(batch, 2 * chunk, (context, 0), False) for context in contexts
-                             if context >= buckets.context_bucket_for(2 * chunk)]
-        if not self.encoder_decoder and (self.model.generation_config.do_sample if sampling is None else sampling):
-            runs += [(batch, buckets.prompt_buckets[0], (0, context), True)
-                     for batch in buckets.batch_sizes for context in contexts]
+        shortest = buckets.prompt_buckets[0]
+        runs = []  # (batch, prompt length, context floors of (prefill, decode), sampled)
+        for graph in self.graph_plan(sampling=sampling):
+            if graph.role in ("prefill", "encoder"):
+                runs.append((graph.batch, graph.tokens, (0, 0), False))
+            elif graph.role == "chunk":
+                runs.append((graph.batch, 2 * graph.tokens, (graph.context, 0), False))
+            elif graph.role == "decode" and windows:  # (else the prefills' runs decode in the one context)
+                runs.append((graph.batch, shortest, (0, graph.context), False))
+            elif graph.role == "sampling decode":
+                runs.append((graph.batch, shortest, (0, graph.context if windows else 0), True))
         token = pad_token_id(self.model.generation_config, self._vocab_size)
         for batch, length, floors, sampled in tqdm(runs, desc="Compiling neuron graphs", disable=not show_progress):
             ids = torch.full((batch, length), token, dtype=torch.long, device=self.model.device)

@@ -114,5 +114,11 @@ def neuron_backend(gm: torch.fx.GraphModule, example_inputs, *, options=None, mo
     options.setdefault("dynamic", False)
     if _has_dynamic_shapes(gm, example_inputs):
         raise RuntimeError("Dynamic shapes detected in the model, but torch-neuronx requires static shapes")
+    if gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
+        # Torch-MLIR's FxImporter imports no invoke_subgraph (nested_compile_region): TorchNeuron's
+        # message, from its dynamo test spec (tests/pytorch_tests/specs/dynamo_spec.json).
+        raise RuntimeError("Neuron backend NEFF execution setup failed with unexpected error: Higher-order "
+                           "operation 'invoke_subgraph' not implemented in the FxImporter (tried "
+                           "'_import_hop_invoke_subgraph')")
     backend = aot_autograd(fw_compiler=_make_fw_compiler(options), keep_inference_input_mutations=True)
     return backend(gm, example_inputs)

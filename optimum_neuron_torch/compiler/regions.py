@@ -1,0 +1,159 @@
+"""One compile per distinct layer: a graph whose repeated layers Dynamo traced as nested compile
+regions (`torch.compiler.nested_compile_region`) is compiled a region at a time.
+
+Dynamo traces a function marked with `torch.compiler.nested_compile_region` as a subgraph, called
+through the `invoke_subgraph` higher-order op, and gives every call whose traced code is the same
+one subgraph (the 30 decoder layers of a model: one subgraph, 30 calls, each with its own weights and
+cache tensors as inputs). TorchNeuron's compiler cannot take that op (its FxImporter has no
+`invoke_subgraph`, see the TorchNeuron mirror's dynamo test spec), and Inductor, which can, would
+still compile the whole graph as one program. So this backend compiles each distinct subgraph once,
+with the device's own `neuron` backend, for each distinct input signature, and splits the rest of
+the graph (embeddings, masks, the final norm and head) into pieces compiled by that backend too,
+calling the compiled region where each layer was. The Neuron compiler then sees one layer instead
+of all of them: the compile time of a graph falls roughly by the number of repeated layers, and
+the compiled pieces of equal layers are one entry of the compile cache (its key is the code and the
+input shapes, not the weights). The cost is one program launch per layer instead of one per step.
+
+A graph without regions goes to the device's backend unchanged. `repeated_layers_as_regions(model)`
+marks a model's repeated layers (scoped: the marks go when the block ends).
+
+Example:
+    >>> import torch
+    >>> from optimum_neuron_torch.compiler import regions
+    >>> layer = torch.nn.Linear(8, 8)
+    >>> step = torch.compiler.nested_compile_region(lambda x: torch.relu(layer(x)))
+    >>> run = torch.compile(lambda x: step(step(x)), backend=regions.backend, fullgraph=True)
+    >>> run(torch.ones(2, 8).to("neuron")).shape  # doctest: +SKIP
+    torch.Size([2, 8])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._dynamo.backends.registry import lookup_backend
+
+from . import partition
+
+INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+DEVICE_BACKEND = "neuron"  # the device's own backend: TorchNeuron's, or the reference device's
+
+CompileGraph = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
+
+
+class CompiledRegion:
+    """A region compiled once, called where each of its `invoke_subgraph` calls was."""
+
+    def __init__(self, identifier: str, compiled: Callable[..., Any]) -> None:
+        self.identifier = identifier
+        self.compiled = compiled
+        self.__name__ = f"compiled_region_{identifier}"  # (how the call reads in the parent graph's code)
+
+    def __call__(self, *operands: Any) -> Any:
+        return self.compiled(*operands)
+
+
+def region_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The `invoke_subgraph` calls of `gm`, in graph order."""
+    return list(gm.graph.find_nodes(op="call_function", target=INVOKE_SUBGRAPH))
+
+
+def compile_regions(gm: torch.fx.GraphModule, example_inputs: list[Any], compile_graph: CompileGraph
+                    ) -> Callable[..., Any]:
+    """`gm` compiled by `compile_graph(graph, example_inputs)` a region at a time: each distinct
+    region once (Dynamo gives one identifier to the calls whose traced code and input shapes are the
+    same), the nodes between regions in pieces; `gm` whole when it calls no region.
+
+    Args:
+        gm: a Dynamo graph.
+        example_inputs: its example inputs.
+        compile_graph: the backend compiling each part (a Dynamo backend's signature).
+
+    Returns:
+        The callable running `gm`.
+    """
+    calls = region_calls(gm)
+    if not calls:
+        return compile_graph(gm, example_inputs)
+    compiled: dict[str, CompiledRegion] = {}
+    for node in calls:
+        subgraph, identifier, *operands = node.args
+        if identifier not in compiled:  # (compiled once: the device's backend may rewrite a graph it compiles)
+            examples = [partition.recorded_value(operand) if isinstance(operand, torch.fx.Node) else operand
+                        for operand in operands]
+            compiled[identifier] = CompiledRegion(identifier, compile_graph(getattr(gm, subgraph.target), examples))
+        node.target, node.args = compiled[identifier], tuple(operands)
+    for node in list(gm.graph.find_nodes(op="get_attr")):  # (the subgraphs, now compiled)
+        if not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+    # The outputs of a region are taken where they are used: those items stay with the region.
+    apart = {*calls, *(user for node in calls for user in node.users
+                       if user.op == "call_function" and user.target is operator.getitem)}
+    split = partition.split(gm, {}, compile_graph, apart=apart)
+    return split if split is not None else gm
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
+    """A Dynamo backend: `gm` compiled a region at a time by the device's `neuron` backend (given
+    `kwargs`, e.g. `options`), see `compile_regions`."""
+    device_backend = lookup_backend(DEVICE_BACKEND)
+    return compile_regions(gm, example_inputs, lambda graph, inputs: device_backend(graph, inputs, **kwargs))
+
+
+def repeated_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of `model` that repeat: the members of its `torch.nn.ModuleList`s whose class
+    appears more than once in the list (a Transformers model's decoder layers)."""
+    layers = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            classes = [type(member) for member in module]
+            layers += [member for member in module if classes.count(type(member)) > 1]
+    return layers
+
+
+@contextlib.contextmanager
+def repeated_layers_as_regions(model: torch.nn.Module) -> Iterator[list[torch.nn.Module]]:
+    """Inside the block, Dynamo traces each repeated layer of `model` (see `repeated_layers`) as a
+    nested compile region: the layers of one class share one marked `forward`, so Dynamo gives the
+    calls whose traced code is the same one subgraph. The class's own `forward` is not touched
+    (marking it would mark every model of that class in the process); each layer gets an instance
+    attribute, removed at the end of the block.
+
+    Args:
+        model: the model about to be traced.
+
+    Returns:
+        The layers marked.
+
+    Example:
+        >>> with regions.repeated_layers_as_regions(model):  # doctest: +SKIP
+        ...     logits = torch.compile(model, backend=regions.backend, fullgraph=True)(ids).logits
+    """
+    layers = [layer for layer in repeated_layers(model) if "forward" not in vars(layer)]
+    marked: dict[type, Callable[..., Any]] = {}
+    for layer in layers:
+        if type(layer) not in marked:
+            marked[type(layer)] = _marked_forward(type(layer))
+        layer.forward = types.MethodType(marked[type(layer)], layer)
+    try:
+        yield layers
+    finally:
+        for layer in layers:
+            vars(layer).pop("forward", None)
+
+
+def _marked_forward(cls: type) -> Callable[..., Any]:
+    """`cls.forward`, wrapped in a new function marked as a nested compile region."""
+    forward = cls.forward
+
+    def region(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return forward(self, *args, **kwargs)
+
+    region.__name__ = region.__qualname__ = f"{cls.__name__}_region"
+    return torch.compiler.nested_compile_region(region)
