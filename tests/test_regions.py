@@ -84,6 +84,7 @@ def test_a_model_without_regions_compiles_whole(fresh_cache):
     assert len(backend.graphs) == 2 and backend.ops(backend.graphs[0], "index_copy_") == 4  # both layers inline
 
 
+@pytest.mark.slow  # (another architecture of the same path)
 def test_layers_whose_code_differs_are_distinct_regions(fresh_cache):
     """Gemma2 alternates sliding-window and full-attention layers: traced differently, each kind is
     its own region; every layer still writes its own cache."""
