@@ -6,13 +6,14 @@ through the `invoke_subgraph` higher-order op, and gives every call whose traced
 one subgraph (the 30 decoder layers of a model: one subgraph, 30 calls, each with its own weights and
 cache tensors as inputs). TorchNeuron's compiler cannot take that op (its FxImporter has no
 `invoke_subgraph`, see the TorchNeuron mirror's dynamo test spec), and Inductor, which can, would
-still compile the whole graph as one program. So this backend compiles each distinct subgraph once,
-with the device's own `neuron` backend, for each distinct input signature, and splits the rest of
-the graph (embeddings, masks, the final norm and head) into pieces compiled by that backend too,
-calling the compiled region where each layer was. The Neuron compiler then sees one layer instead
-of all of them: the compile time of a graph falls roughly by the number of repeated layers, and
-the compiled pieces of equal layers are one entry of the compile cache (its key is the code and the
-input shapes, not the weights). The cost is one program launch per layer instead of one per step.
+still compile the whole graph as one program. So this backend compiles each distinct subgraph once
+(Dynamo gives calls of other code or input shapes another subgraph) with the device's own `neuron`
+backend, and splits the rest of the graph (embeddings, masks, the final norm and head) into
+pieces compiled by that backend too, calling the compiled region where each layer was. The
+Neuron compiler then sees one layer instead of all of them: the compile time of a graph falls
+roughly by the number of repeated layers, and equal layers are one entry of the compile cache (its
+key is the code and the input shapes, not the weights). The cost is one program launch per layer
+instead of one per step.
 
 A graph without regions goes to the device's backend unchanged. `repeated_layers_as_regions(model)`
 marks a model's repeated layers (scoped: the marks go when the block ends).
