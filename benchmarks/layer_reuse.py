@@ -42,8 +42,9 @@ def prefill_and_decode(model, backend, prompt: int, slots: int) -> torch.Tensor:
     return torch.cat(logits)
 
 
-def cold(run) -> tuple[float, object]:
-    """`run()` with an empty compile cache and a reset Dynamo: its wall seconds and the cache stats."""
+def cold(run) -> tuple[float, object, object]:
+    """`run()` with an empty compile cache and a reset Dynamo: its wall seconds, the cache stats and
+    what it returned."""
     with tempfile.TemporaryDirectory() as folder:
         os.environ[COMPILE_CACHE_ENV] = folder
         torch._dynamo.reset()
@@ -64,7 +65,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval().to("neuron")
     layers = model.config.num_hidden_layers
     print(f"backend: {optimum_neuron_torch.backend_info()}; model: {path} ({layers} decoder layers); "
-          f"prefill of {args.prompt} tokens and a decode step over {args.cache} cache slots, float32, cold")
+          f"prefill of {args.prompt} tokens and a decode step over {args.cache} cache slots, float32, cold, "
+          f"{torch.get_num_threads()} threads")
     expected = prefill_and_decode(cpu, None, args.prompt, args.cache)
 
     whole_wall, whole, whole_logits = cold(lambda: prefill_and_decode(model, "neuron", args.prompt, args.cache))
