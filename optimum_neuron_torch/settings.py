@@ -9,6 +9,7 @@ defaults and parsers, and where it keeps its caches.
 | `OPTIMUM_NEURON_TORCH_COMPILE_CACHE` | `<cache root>/compiled` | the compile cache |
 | `OPTIMUM_NEURON_TORCH_DISTRIBUTED_TIMEOUT` | `1800` | seconds a rank waits for the others in a process group the library starts |
 | `OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT` | `0` | refuse graphs TorchNeuron cannot take instead of splitting them |
+| `OPTIMUM_NEURON_TORCH_DISABLE_LAYER_REUSE` | `0` | compile generation graphs whole instead of a program per distinct layer |
 | `OPTIMUM_NEURON_TORCH_PROFILE` | `torchneuron` | reference device: its support profile (`torchneuron`, `full` or an op list) |
 | `OPTIMUM_NEURON_TORCH_DEVICE_MEMORY` | 24 GiB, capped by the host | reference device: memory per device |
 | `OPTIMUM_NEURON_TORCH_DEVICE_COUNT` | `1`, or `LOCAL_WORLD_SIZE` under a launcher | reference device: number of devices |
@@ -34,6 +35,7 @@ FALLBACK_ENV = "OPTIMUM_NEURON_TORCH_FALLBACK"
 CACHE_ENV = "OPTIMUM_NEURON_TORCH_CACHE"
 COMPILE_CACHE_ENV = "OPTIMUM_NEURON_TORCH_COMPILE_CACHE"
 DISABLE_GRAPH_SPLIT_ENV = "OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT"
+DISABLE_LAYER_REUSE_ENV = "OPTIMUM_NEURON_TORCH_DISABLE_LAYER_REUSE"
 PROFILE_ENV = "OPTIMUM_NEURON_TORCH_PROFILE"
 DEVICE_MEMORY_ENV = "OPTIMUM_NEURON_TORCH_DEVICE_MEMORY"
 DEVICE_COUNT_ENV = "OPTIMUM_NEURON_TORCH_DEVICE_COUNT"
@@ -198,6 +200,14 @@ def graph_split_disabled() -> bool:
     """`OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT`: refuse a graph with ops TorchNeuron's compiler
     cannot take instead of splitting it (default: split)."""
     return parse_flag(DISABLE_GRAPH_SPLIT_ENV)
+
+
+def layer_reuse_disabled() -> bool:
+    """`OPTIMUM_NEURON_TORCH_DISABLE_LAYER_REUSE`: compile generation's graphs whole, each holding
+    every decoder layer, instead of one program per distinct layer called once per layer (see
+    `compiler/regions.py`): fewer program launches per step, a compile time that grows with the
+    number of layers."""
+    return parse_flag(DISABLE_LAYER_REUSE_ENV)
 
 
 # Settings of the reference device ----------------------------------------------------------------

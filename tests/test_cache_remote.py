@@ -20,7 +20,9 @@ from optimum_neuron_torch.errors import CompileCacheError
 from optimum_neuron_torch.settings import COMPILE_CACHE_ENV
 from test_compile_cache import GENERATE
 from testing_utils import optimum_cli
-from tiny_models import TINY_MODELS
+from tiny_models import PROGRAMS_PER_GRAPH, TINY_MODELS
+
+PROGRAMS = 2 * PROGRAMS_PER_GRAPH  # the tiny llama's prefill bucket and decode step
 
 PACKAGE = Path(remote.__file__).parents[1]
 
@@ -58,8 +60,8 @@ def test_graphs_pushed_from_one_checkout_warm_start_another_at_another_path(tmp_
     cache_a, cache_b, remote_folder = tmp_path / "a" / "cache", tmp_path / "b" / "cache", tmp_path / "remote"
 
     cold = generated(in_checkout(checkouts["a"], cache_a, "-c", GENERATE, str(model_a)))
-    assert cold["misses"] == 2 and cold["hits"] == 0
-    assert "pushed 2 compiled graphs (0 already there" in cli_in(checkouts["a"], cache_a, "cache", "push",
+    assert cold["misses"] == PROGRAMS and cold["hits"] == 0
+    assert f"pushed {PROGRAMS} compiled graphs (0 already there" in cli_in(checkouts["a"], cache_a, "cache", "push",
                                                                  str(remote_folder)).stdout
     assert "pushed 0 compiled graphs (2 already there" in cli_in(checkouts["a"], cache_a, "cache", "push",
                                                                  str(remote_folder)).stdout
@@ -95,12 +97,12 @@ def test_graphs_pushed_from_one_checkout_warm_start_another_at_another_path(tmp_
     damaged.write_bytes(original)
     records[1].write_text(json.dumps(second))
     (records[0].parent / "unreadable.json").unlink()
-    assert "pulled 2 compiled graphs (0 already there, 0 skipped)" in cli_in(checkouts["b"], cache_b, "cache", "pull",
-                                                                             str(remote_folder)).stdout
+    pulled = cli_in(checkouts["b"], cache_b, "cache", "pull", str(remote_folder)).stdout
+    assert f"pulled {PROGRAMS} compiled graphs (0 already there, 0 skipped)" in pulled
     warm = generated(in_checkout(checkouts["b"], cache_b, "-c", GENERATE, str(model_b)))
-    assert warm["misses"] == 0 and warm["hits"] == 2
+    assert warm["misses"] == 0 and warm["hits"] == PROGRAMS
     assert warm["tokens"] == cold["tokens"]
-    assert "pulled 0 compiled graphs (2 already there" in cli_in(checkouts["b"], cache_b, "cache", "pull",
+    assert f"pulled 0 compiled graphs ({PROGRAMS} already there" in cli_in(checkouts["b"], cache_b, "cache", "pull",
                                                                  str(remote_folder)).stdout
 
 

@@ -18,7 +18,9 @@ from optimum_neuron_torch import NeuronAutoModelForCausalLM
 from optimum_neuron_torch.compiler.cache import CompileCache, graph_key
 from optimum_neuron_torch.settings import COMPILE_CACHE_ENV as CACHE_ENV
 from testing_utils import optimum_cli, run_python
-from tiny_models import TINY_MODELS
+from tiny_models import PROGRAMS_PER_GRAPH, TINY_MODELS
+
+PROGRAMS = 2 * PROGRAMS_PER_GRAPH  # the tiny llama's prefill bucket and decode step
 
 # Loads the tiny Llama saved in sys.argv[1] with NeuronAutoModelForCausalLM, generates once, and
 # prints the tokens and the compile-cache counters as JSON.
@@ -82,10 +84,10 @@ def test_a_second_process_loads_instead_of_compiling(saved_llama, filled_cache, 
     cache, cold = filled_cache
     copied = copy_of(cache, tmp_path / "cache")
     warm = result(generate_in_subprocess(saved_llama, copied))
-    assert cold["misses"] == 2 and cold["hits"] == 0  # prefill bucket and decode step
-    assert warm["misses"] == 0 and warm["hits"] == 2
+    assert cold["misses"] == PROGRAMS and cold["hits"] == 0
+    assert warm["misses"] == 0 and warm["hits"] == PROGRAMS
     assert warm["tokens"] == cold["tokens"]
-    assert len(list(CompileCache(copied).entries())) == 2
+    assert len(list(CompileCache(copied).entries())) == PROGRAMS
     # Loading builds nothing: no kernel, and none of the libraries with which Inductor probes the
     # CPU's vector instruction sets (built in an entry, they were built again by every process)
     assert files_in(copied) == files_in(cache)
@@ -97,9 +99,9 @@ def test_two_processes_compiling_the_same_graphs_leave_one_valid_entry_each(save
     processes = [generate_in_subprocess(saved_llama, tmp_path / "cache") for _ in range(2)]
     first, second = (result(process) for process in processes)
     assert first["tokens"] == second["tokens"]
-    assert first["misses"] + second["misses"] == 2  # each graph compiled once; the other process waited and loaded it
+    assert first["misses"] + second["misses"] == PROGRAMS  # each compiled once; the other process waited and loaded it
     entries = list(CompileCache(tmp_path / "cache").entries())
-    assert len(entries) == 2
+    assert len(entries) == PROGRAMS
     assert not any((tmp_path / "cache" / "tmp").iterdir())
     assert result(generate_in_subprocess(saved_llama, tmp_path / "cache"))["misses"] == 0  # the entries load
 
@@ -147,11 +149,11 @@ def test_a_model_saved_precompiled_arrives_precompiled(saved_llama, filled_cache
     assert done.returncode == 0, done.stderr[-3000:]
     spec = json.loads((tmp_path / "precompiled" / "neuron_generation.json").read_text())
     assert spec["buckets"] == {"batch_sizes": [1], "prompt_buckets": [16], "max_length": 64, "context_buckets": [64]}
-    assert len(spec["graphs"]) == 2 and all((tmp_path / "precompiled" / "neuron_compiled" / key).is_dir()
+    assert len(spec["graphs"]) == PROGRAMS and all((tmp_path / "precompiled" / "neuron_compiled" / key).is_dir()
                                             for key in spec["graphs"])
 
     arrived = result(generate_in_subprocess(tmp_path / "precompiled", tmp_path / "second"))
-    assert arrived["misses"] == 0 and arrived["hits"] == 2
+    assert arrived["misses"] == 0 and arrived["hits"] == PROGRAMS
 
 
 @pytest.mark.slow
@@ -189,9 +191,9 @@ def test_cli_lists_reports_and_clears_the_cache(filled_cache, tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout
 
-    assert cli("list").startswith(f"2 compiled graphs in {tmp_path / 'cache'}")
-    assert "graphs: 2" in cli("stats")
-    assert "removed 2 compiled graphs" in cli("clear")
+    assert cli("list").startswith(f"{PROGRAMS} compiled graphs in {tmp_path / 'cache'}")
+    assert f"graphs: {PROGRAMS}" in cli("stats")
+    assert f"removed {PROGRAMS} compiled graphs" in cli("clear")
     assert "graphs: 0" in cli("stats")
 
 

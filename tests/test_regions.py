@@ -4,6 +4,8 @@ writes of Transformers on the CPU."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import StaticCache
@@ -108,3 +110,29 @@ def test_the_device_backend_given_a_region_runs_it_eagerly_naming_it(fresh_cache
         logits, _ = prefill_and_decode(model, "neuron")
     torch.testing.assert_close(logits, prefill_and_decode(TINY_MODELS["llama"].build().eval())[0],
                                rtol=1e-5, atol=1e-5)
+
+
+def encode(encoder: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    return encoder(input_ids=input_ids).last_hidden_state
+
+
+def test_layers_dynamo_cannot_trace_as_regions_compile_whole_with_one_warning(fresh_cache):
+    """T5's layers hand their position bias on, which `invoke_subgraph` does not capture: the graphs
+    compile whole, once, with one warning naming why; the output is the CPU's."""
+    tiny = TINY_MODELS["t5"]
+    cpu, model = tiny.build().eval(), tiny.build().eval().to("neuron")
+    step = regions.compile_by_layer(encode, backend="neuron", fullgraph=True, dynamic=False)
+    ids = torch.randint(4, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match="repeated layers could not be compiled once each .*Error: "):
+            hidden = step(model.get_encoder(), ids.to("neuron"))
+        torch.testing.assert_close(hidden.cpu(), encode(cpu.get_encoder(), ids), rtol=1e-5, atol=1e-5)
+        assert step.whole_graph_reason is not None
+        before = cache_stats()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)  # (no second warning, no second attempt at regions)
+            torch.testing.assert_close(step(model.get_encoder(), ids[:1].to("neuron")).cpu(),
+                                       encode(cpu.get_encoder(), ids[:1]), rtol=1e-5, atol=1e-5)
+        assert cache_stats().misses == before.misses + 1  # the new shape, whole
+    with pytest.raises(ValueError, match="not 'inductor'"):
+        regions.compile_by_layer(encode, backend="inductor")

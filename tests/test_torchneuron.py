@@ -22,7 +22,9 @@ import pytest
 import torch
 
 import optimum_neuron_torch as ont
-from tiny_models import TINY_MODELS, tiny_tokenizer
+from tiny_models import PROGRAMS_PER_GRAPH, TINY_MODELS, tiny_tokenizer
+
+PROGRAMS = 2 * PROGRAMS_PER_GRAPH  # the tiny llama's prefill bucket and decode step
 
 STANDIN = Path(__file__).parent / "torchneuron_standin"
 CLI = os.path.join(os.path.dirname(sys.executable), "optimum-cli")
@@ -308,7 +310,7 @@ def test_sharded_load_compiled_generate_pipeline_and_check(torchneuron, llama):
     out = _last_json(result.stdout)
     assert out["devices"] == ["neuron:0"]
     assert out["tokens"] == expected == out["again"]
-    assert out["compiled"] >= 2 and out["recompiled"] == 0  # prefill + decode, through TorchNeuron's backend
+    assert out["compiled"] >= PROGRAMS and out["recompiled"] == 0  # prefill + decode, through TorchNeuron's backend
     assert out["text"].startswith("the capital of france is")
     assert out["backend"].startswith("torchneuron 2.13.3.0")
 
@@ -321,9 +323,10 @@ def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llam
                                "--save", str(saved), env={"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff_a")})
     assert compiled.returncode == 0, compiled.stderr[-5000:]
     assert "graphs compiled by TorchNeuron" in compiled.stdout
-    assert "saved with TorchNeuron's compiled artifacts (2 neuron_neff)" in compiled.stdout, compiled.stdout
+    assert f"saved with TorchNeuron's compiled artifacts ({PROGRAMS} neuron_neff)" in compiled.stdout, compiled.stdout
     spec = json.loads((saved / "neuron_generation.json").read_text())
-    assert spec["torch_cache_artifacts"] == {"neuron_neff": 2} and spec["environment"]["backend"] == "torchneuron"
+    assert spec["torch_cache_artifacts"] == {"neuron_neff": PROGRAMS}
+    assert spec["environment"]["backend"] == "torchneuron"
 
     prompt = [5, 17, 42, 9]
     expected = _cpu_greedy(llama, prompt, 6)
@@ -344,18 +347,18 @@ def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llam
     )
     assert result.returncode == 0, result.stderr[-5000:]
     out = _last_json(result.stdout)
-    assert out["neffs"] == 2 and out["tokens"] == expected
-    assert out["compiled"] == 0 and out["neff_cache_hits"] == 2
+    assert out["neffs"] == PROGRAMS and out["tokens"] == expected
+    assert out["compiled"] == 0 and out["neff_cache_hits"] == PROGRAMS
 
     # `cache push` / `cache pull` carry TorchNeuron's NEFF cache: a third machine pulls the first's
     # NEFFs and generates with the plain model folder (no saved artifacts), compiling nothing.
     remote_folder = tmp_path / "remote"
     pushed = torchneuron.cli("cache", "push", str(remote_folder),
                              env={"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff_a")})
-    assert pushed.returncode == 0 and "pushed 2 compiled graphs" in pushed.stdout, pushed.stderr[-3000:]
+    assert pushed.returncode == 0 and f"pushed {PROGRAMS} compiled graphs" in pushed.stdout, pushed.stderr[-3000:]
     pulled = torchneuron.cli("cache", "pull", str(remote_folder),
                              env={"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff_c")})
-    assert pulled.returncode == 0 and "pulled 2 compiled graphs" in pulled.stdout, pulled.stderr[-3000:]
+    assert pulled.returncode == 0 and f"pulled {PROGRAMS} compiled graphs" in pulled.stdout, pulled.stderr[-3000:]
     result = torchneuron.python(
         f"""
         import json, torch, optimum_neuron_torch as ont
@@ -372,7 +375,7 @@ def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llam
     )
     assert result.returncode == 0, result.stderr[-5000:]
     out = _last_json(result.stdout)
-    assert out["tokens"] == expected and out["compiled"] == 0 and out["neff_cache_hits"] == 2
+    assert out["tokens"] == expected and out["compiled"] == 0 and out["neff_cache_hits"] == PROGRAMS
 
 
 def test_saving_without_compiled_artifacts_says_so(torchneuron, llama, tmp_path):

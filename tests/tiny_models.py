@@ -17,6 +17,9 @@ import optimum_neuron_torch as ont
 VOCAB = 128
 DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=64)
+# Compiled generation hands the compiler each graph of a decoder as programs: the code before its
+# decoder layers, one layer (compiled once for all of them, see `compiler/regions.py`), the code after.
+PROGRAMS_PER_GRAPH = 3
 
 
 @dataclass(frozen=True)

@@ -31,14 +31,17 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch._dynamo.backends.registry import lookup_backend
 
+from .. import settings
 from . import partition
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
@@ -107,6 +110,70 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) 
     return compile_regions(gm, example_inputs, lambda graph, inputs: device_backend(graph, inputs, **kwargs))
 
 
+def compile_by_layer(function: Callable[..., Any], **options: Any) -> LayerwiseCompiled:
+    """`torch.compile(function, **options)` whose repeated layers are compiled once each: the
+    compiled function takes the model as its first argument, and each call traces the model's
+    repeated layers as regions (see `repeated_layers_as_regions`) for `backend`, which hands them
+    to the device's backend. A model whose layers Dynamo cannot trace as regions (T5's layers pass
+    their position bias along in a way `invoke_subgraph` does not capture) is compiled whole, with
+    one warning (see `LayerwiseCompiled`).
+
+    Args:
+        function: what to compile; its first argument is the model (a function, not a bound method,
+            so that the compiled function holds no reference to the model).
+        options: `torch.compile`'s options (`fullgraph`, `dynamic`, `mode`); `backend`, if given,
+            must be the device's own (`"neuron"`).
+
+    Returns:
+        The compiled function, called as `function` is.
+
+    Raises:
+        ValueError: `backend` names another backend.
+
+    Example:
+        >>> step = regions.compile_by_layer(lambda model, ids: model(ids).logits, fullgraph=True)  # doctest: +SKIP
+        >>> logits = step(model, ids)  # doctest: +SKIP
+    """
+    device_backend = options.pop("backend", DEVICE_BACKEND)
+    if device_backend != DEVICE_BACKEND:
+        raise ValueError(f"compile_by_layer compiles for the device's backend {DEVICE_BACKEND!r}, "
+                         f"not {device_backend!r}")
+    return LayerwiseCompiled(function, options)
+
+
+class LayerwiseCompiled:
+    """What `compile_by_layer` returns: `function` compiled a region at a time, or whole when
+    `OPTIMUM_NEURON_TORCH_DISABLE_LAYER_REUSE=1` or once that failed (`whole_graph_reason` says why;
+    from then on every call runs the whole graphs, so that a model never has both graph sets
+    compiled for one shape)."""
+
+    def __init__(self, function: Callable[..., Any], options: dict[str, Any]) -> None:
+        functools.update_wrapper(self, function)
+        self.function, self.options = function, options
+        self.whole_graph_reason: str | None = None
+        self._by_layer = torch.compile(function, backend=backend, **options)
+        self._whole: Callable[..., Any] | None = None
+        if settings.layer_reuse_disabled():
+            self.whole_graph_reason = f"{settings.DISABLE_LAYER_REUSE_ENV}=1"
+            self._whole = torch.compile(function, backend=DEVICE_BACKEND, **options)
+
+    def __call__(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if self._whole is None:
+            try:
+                with repeated_layers_as_regions(model):
+                    return self._by_layer(model, *args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as error:  # (raised while tracing or compiling: nothing ran)
+                reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+                self._whole = torch.compile(self.function, backend=DEVICE_BACKEND, **self.options)
+                result = self._whole(model, *args, **kwargs)  # (an error here is the model's own, not the regions')
+                self.whole_graph_reason = reason
+                warnings.warn(f"{type(model).__name__}'s repeated layers could not be compiled once each ({reason}): "
+                              "compiling whole graphs, each holding every layer (on Trainium, a compile time that "
+                              "grows with the number of layers).", stacklevel=2)
+                return result
+        return self._whole(model, *args, **kwargs)
+
+
 def repeated_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The layers of `model` that repeat: the members of its `torch.nn.ModuleList`s whose class
     appears more than once in the list (a Transformers model's decoder layers)."""
@@ -137,11 +204,8 @@ def repeated_layers_as_regions(model: torch.nn.Module) -> Iterator[list[torch.nn
         ...     logits = torch.compile(model, backend=regions.backend, fullgraph=True)(ids).logits
     """
     layers = [layer for layer in repeated_layers(model) if "forward" not in vars(layer)]
-    marked: dict[type, Callable[..., Any]] = {}
     for layer in layers:
-        if type(layer) not in marked:
-            marked[type(layer)] = _marked_forward(type(layer))
-        layer.forward = types.MethodType(marked[type(layer)], layer)
+        layer.forward = types.MethodType(_marked_forward(type(layer)), layer)
     try:
         yield layers
     finally:
@@ -149,8 +213,10 @@ def repeated_layers_as_regions(model: torch.nn.Module) -> Iterator[list[torch.nn
             vars(layer).pop("forward", None)
 
 
+@functools.cache
 def _marked_forward(cls: type) -> Callable[..., Any]:
-    """`cls.forward`, wrapped in a new function marked as a nested compile region."""
+    """`cls.forward`, wrapped in a new function marked as a nested compile region; one per class,
+    so that a graph compiled inside one block passes Dynamo's guards inside the next."""
     forward = cls.forward
 
     def region(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

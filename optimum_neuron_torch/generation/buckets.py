@@ -175,14 +175,52 @@ def describe_plan(plan: list[PlannedGraph]) -> str:
     return f"{len(plan)} graphs: " + ", ".join(f"{count} {role}" for role, count in counts.items())
 
 
-def compile_bill(buckets: Buckets, plan: list[PlannedGraph], layers: int | None) -> list[str]:
+def compile_bill(buckets: Buckets, plan: list[PlannedGraph], layers: int | None, layer_kinds: int = 1,
+                 layer_reuse: bool = True) -> list[str]:
     """What compiled generation will compile for `buckets`, in lines for a person: the buckets, the
-    graphs by role, and how many decoder layers each graph holds (each is traced and compiled inside
-    every graph: the library does not compile a layer once and reuse it yet)."""
+    graphs by role, and the programs the compiler gets from them (see `distinct_programs`).
+
+    Args:
+        buckets: the buckets.
+        plan: their graphs (`graph_plan(buckets, ...)`).
+        layers: the model's repeated decoder layers (None or 0: none).
+        layer_kinds: how many distinct layers among them (layer classes).
+        layer_reuse: whether each distinct layer is compiled once (`compiler.regions`), or every graph
+            holds all its layers inline (`OPTIMUM_NEURON_TORCH_DISABLE_LAYER_REUSE=1`).
+
+    Returns:
+        The lines.
+    """
     lines = [f"buckets: batch sizes {list(buckets.batch_sizes)}, prompt buckets {list(buckets.prompt_buckets)}, "
              f"max length {buckets.max_length}, context buckets {list(buckets.context_buckets)}",
              f"graphs to compile: {describe_plan(plan)}"]
-    if layers:
-        lines.append(f"distinct graphs after layer reuse: {len(plan)} (each graph holds all {layers} decoder layers "
-                     "inline; no layer is compiled once and reused)")
+    if layers and layer_reuse:
+        lines.append(f"distinct programs after layer reuse: {distinct_programs(plan, layer_kinds)} (each graph: the "
+                     f"code before its {layers} decoder layers, {layer_kinds} layer program"
+                     f"{'s' if layer_kinds > 1 else ''} called for all of them, the code after; graphs of the same "
+                     "shapes share them)")
+    elif layers:
+        lines.append(f"distinct programs: {len(plan)} (each graph holds all {layers} decoder layers inline: "
+                     "layer reuse is off)")
     return lines
+
+
+def distinct_programs(plan: list[PlannedGraph], layer_kinds: int = 1) -> int:
+    """How many programs the compiler gets from `plan` when each graph is compiled a layer at a time
+    (`compiler.regions`): the code before the layers per distinct rows and new tokens (and, for a
+    decode step, which builds the bounds of its keys there, per context bucket); one program per
+    distinct layer per distinct rows, new tokens and context bucket; the code after (the final norm,
+    the head, the sampler of a step that samples) per distinct rows and new tokens. Graphs that
+    share shapes share programs (the compile cache's key is the code and its shapes), e.g. a step
+    that samples shares all but its last program with the greedy one.
+
+    Example:
+        >>> distinct_programs([PlannedGraph("decode", 1, 1, 128), PlannedGraph("decode", 1, 1, 512)])
+        5
+    """
+    before = {(graph.role == "encoder", graph.batch, graph.tokens, graph.context if graph.tokens == 1 else None)
+              for graph in plan}
+    layers = {(graph.role == "encoder", graph.batch, graph.tokens, graph.context) for graph in plan}
+    after = {(graph.role if graph.role in ("encoder", "sampling decode") else "logits", graph.batch, graph.tokens)
+             for graph in plan}
+    return len(before) + len(layers) * layer_kinds + len(after)

@@ -48,6 +48,8 @@ from transformers.generation import GenerationMode, LogitsProcessor, LogitsProce
 from transformers.masking_utils import create_masks_for_generate
 from transformers.modeling_outputs import BaseModelOutput
 
+from .. import settings
+from ..compiler import regions
 from ..compiler.dynamo_backend import recording_cache_keys
 from ..errors import CollectiveError, InsufficientDeviceMemoryError, NeuronTorchError, RankFailedError, first_line
 from .buckets import Buckets, PlannedGraph, compile_bill, graph_plan
@@ -186,7 +188,7 @@ class CompiledGeneration:
         logits are a host row that makes Transformers' loop choose them: 0 at the token, -inf
         elsewhere."""
         if self._compiled_forward is None:
-            self._compiled_forward = torch.compile(_step, **COMPILE_CONFIG.to_dict())
+            self._compiled_forward = regions.compile_by_layer(_step, **COMPILE_CONFIG.to_dict())
         if inputs.get("attention_mask") is None and not self.encoder_decoder and not self.states_only:
             inputs["attention_mask"] = self._causal_mask(inputs["input_ids"], inputs["cache"],
                                                          inputs.get("position_ids"))
@@ -247,7 +249,7 @@ class CompiledGeneration:
 
     def _encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> BaseModelOutput:
         if self._compiled_encoder is None:
-            self._compiled_encoder = torch.compile(_call, **COMPILE_CONFIG.to_dict())
+            self._compiled_encoder = regions.compile_by_layer(_call, **COMPILE_CONFIG.to_dict())
         return self._compiled_encoder(self.model.get_encoder(), input_ids=input_ids, attention_mask=attention_mask,
                                       return_dict=True)
 
@@ -522,7 +524,10 @@ class CompiledGeneration:
     def compile_bill(self, buckets: Buckets | None = None, sampling: bool | None = None) -> list[str]:
         """`graph_plan`, in lines for a person (see `buckets.compile_bill`)."""
         layers = getattr(self.model.config.get_text_config(decoder=True), "num_hidden_layers", None)
-        return compile_bill(buckets or self.buckets, self.graph_plan(buckets, sampling), layers)
+        decoder = self.model.get_decoder() if self.encoder_decoder else self.model
+        kinds = len({type(layer) for layer in regions.repeated_layers(decoder)})
+        return compile_bill(buckets or self.buckets, self.graph_plan(buckets, sampling), layers, max(kinds, 1),
+                            layer_reuse=kinds > 0 and not settings.layer_reuse_disabled())
 
     def precompile(self, show_progress: bool = True, sampling: bool | None = None) -> None:
         """Compiles (or loads from the compile cache) every graph of `graph_plan(sampling=sampling)`

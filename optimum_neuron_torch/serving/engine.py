@@ -35,6 +35,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from ..compiler import regions
 from ..errors import InvalidRequestError, ServerBusyError
 from ..generation.buckets import Buckets
 from ..generation.compiled_generation import COMPILE_CONFIG
@@ -157,7 +158,7 @@ class ServingEngine:
         eos = model.generation_config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.pad_token_id = pad_token_id(model.generation_config, model.get_input_embeddings().num_embeddings)
-        self._step = torch.compile(slot_step, **COMPILE_CONFIG.to_dict())
+        self._step = regions.compile_by_layer(slot_step, **COMPILE_CONFIG.to_dict())
         self._broadcast = broadcast
         self._slots: list[Request | None] = [None] * batch_size
         self._waiting: collections.deque[Request] = collections.deque()
