@@ -16,7 +16,9 @@ key is the code and the input shapes, not the weights). The cost is one program 
 instead of one per step.
 
 A graph without regions goes to the device's backend unchanged. `repeated_layers_as_regions(model)`
-marks a model's repeated layers (scoped: the marks go when the block ends).
+marks a model's repeated layers (scoped: the marks go when the block ends); `compile_by_layer` is
+`torch.compile` of a function of the model that marks them around each call, what compiled
+generation and the server compile their steps with.
 
 Example:
     >>> import torch

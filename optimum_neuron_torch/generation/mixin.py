@@ -52,12 +52,14 @@ class NeuronGenerationMixin:
                      max_length: int | None = None, context_buckets: tuple[int, ...] | None = None,
                      sampling: bool | None = None) -> list[str]:
         """What `precompile()` with these arguments would compile, in lines for a person: the
-        buckets and the graphs by role. Compiles nothing and changes nothing.
+        buckets, the graphs by role and the programs the compiler gets from them (each distinct
+        decoder layer compiled once per shape). Compiles nothing and changes nothing.
 
         Example:
             >>> print("\\n".join(model.compile_bill(batch_sizes=(1,))))  # doctest: +SKIP
             buckets: batch sizes [1], prompt buckets [16, 64, 256, 1024], max length 2048, context buckets [...]
             graphs to compile: 7 graphs: 4 prefill, 3 decode
+            distinct programs after layer reuse: 19 (each graph: the code before its 30 decoder layers, ...)
         """
         buckets = self._buckets_with(batch_sizes, prompt_buckets, max_length, context_buckets)
         return self.neuron_generation.compile_bill(buckets, sampling)
