@@ -63,7 +63,7 @@ def test_graphs_pushed_from_one_checkout_warm_start_another_at_another_path(tmp_
     assert cold["misses"] == PROGRAMS and cold["hits"] == 0
     assert f"pushed {PROGRAMS} compiled graphs (0 already there" in cli_in(checkouts["a"], cache_a, "cache", "push",
                                                                  str(remote_folder)).stdout
-    assert "pushed 0 compiled graphs (2 already there" in cli_in(checkouts["a"], cache_a, "cache", "push",
+    assert f"pushed 0 compiled graphs ({PROGRAMS} already there" in cli_in(checkouts["a"], cache_a, "cache", "push",
                                                                  str(remote_folder)).stdout
     # No key, record or entry metadata names a path of checkout A. (The compiled files themselves do: the
     # kernels' debugging information and Inductor's records keep the folder they were built in; nothing
@@ -73,13 +73,13 @@ def test_graphs_pushed_from_one_checkout_warm_start_another_at_another_path(tmp_
         assert str(tmp_path) not in (entry.path / "entry.json").read_text()
     for record in records:
         assert str(tmp_path) not in record.read_text()
-    assert len(records) == 2
+    assert len(records) == PROGRAMS
     for record in map(json.loads, map(Path.read_text, records)):
         blob = remote_folder / remote.LAYOUT / "blobs" / f"{record['sha256']}.tar"
         assert hashlib.sha256(blob.read_bytes()).hexdigest() == record["sha256"]
 
     # A damaged blob and a foreign entry are named, skipped, and never reach B's cache
-    first, second = (json.loads(path.read_text()) for path in records)
+    first, second = (json.loads(path.read_text()) for path in records[:2])
     damaged = remote_folder / remote.LAYOUT / "blobs" / f"{first['sha256']}.tar"
     original = damaged.read_bytes()
     middle = len(original) // 2
@@ -88,17 +88,18 @@ def test_graphs_pushed_from_one_checkout_warm_start_another_at_another_path(tmp_
     records[1].write_text(json.dumps({**second, "environment": {**second["environment"], "torch": "9.9.9"}}))
     (records[0].parent / "unreadable.json").write_text("{not json")
     pulled = cli_in(checkouts["b"], cache_b, "cache", "pull", str(remote_folder))
-    assert "pulled 0 compiled graphs (0 already there, 3 skipped)" in pulled.stdout
+    assert f"pulled {PROGRAMS - 2} compiled graphs (0 already there, 3 skipped)" in pulled.stdout
     assert "skipped graph unreadable: its record or archive cannot be read (JSONDecodeError" in pulled.stderr
     assert f"skipped graph {first['name']}: its archive's SHA-256 differs" in pulled.stderr
     assert f"skipped graph {second['name']}: compiled for another environment: torch '9.9.9' (here " in pulled.stderr
-    assert list(CompileCache(cache_b).entries()) == []
+    pulled_keys = {entry.key for entry in CompileCache(cache_b).entries()}
+    assert len(pulled_keys) == PROGRAMS - 2 and not pulled_keys & {first["name"], second["name"]}
 
     damaged.write_bytes(original)
     records[1].write_text(json.dumps(second))
     (records[0].parent / "unreadable.json").unlink()
     pulled = cli_in(checkouts["b"], cache_b, "cache", "pull", str(remote_folder)).stdout
-    assert f"pulled {PROGRAMS} compiled graphs (0 already there, 0 skipped)" in pulled
+    assert f"pulled 2 compiled graphs ({PROGRAMS - 2} already there, 0 skipped)" in pulled
     warm = generated(in_checkout(checkouts["b"], cache_b, "-c", GENERATE, str(model_b)))
     assert warm["misses"] == 0 and warm["hits"] == PROGRAMS
     assert warm["tokens"] == cold["tokens"]

@@ -36,7 +36,7 @@ from optimum_neuron_torch.generation import (
     enable_compiled_generation,
 )
 from optimum_neuron_torch.patches import apply_patches
-from tiny_models import TINY_MODELS, VOCAB
+from tiny_models import PROGRAMS_PER_GRAPH, TINY_MODELS, VOCAB
 
 BUCKETS = Buckets(batch_sizes=(1, 4), prompt_buckets=(8, 16), max_length=64)
 GREEDY = dict(do_sample=False)
@@ -579,7 +579,7 @@ def test_a_state_space_model_generates_compiled_and_a_prompt_past_one_chunk_eage
             generated = model.generate(ids.to("neuron"), **settings)
         assert generated.cpu().tolist() == cpu.generate(ids, **settings).tolist()
     assert model.neuron_generation.unservable is None and recompiles() == 0
-    assert len(model.neuron_generation.cache_keys) == 3  # a prefill per prompt length, one decode step
+    assert len(model.neuron_generation.cache_keys) == 3 * PROGRAMS_PER_GRAPH  # 2 prefill lengths, a decode step
 
     ids = prompt(17)  # one past the largest prompt bucket: two chunks
     with pytest.warns(UserWarning, match="a prompt of 17 tokens, above the largest prompt bucket \\(16\\), in a model "

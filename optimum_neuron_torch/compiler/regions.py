@@ -112,7 +112,8 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) 
     return compile_regions(gm, example_inputs, lambda graph, inputs: device_backend(graph, inputs, **kwargs))
 
 
-def compile_by_layer(function: Callable[..., Any], **options: Any) -> LayerwiseCompiled:
+def compile_by_layer(function: Callable[..., Any], *, whole_because: str | None = None,
+                     **options: Any) -> LayerwiseCompiled:
     """`torch.compile(function, **options)` whose repeated layers are compiled once each: the
     compiled function takes the model as its first argument, and each call traces the model's
     repeated layers as regions (see `repeated_layers_as_regions`) for `backend`, which hands them
@@ -123,6 +124,7 @@ def compile_by_layer(function: Callable[..., Any], **options: Any) -> LayerwiseC
     Args:
         function: what to compile; its first argument is the model (a function, not a bound method,
             so that the compiled function holds no reference to the model).
+        whole_because: if given, why to compile whole graphs from the start (no regions).
         options: `torch.compile`'s options (`fullgraph`, `dynamic`, `mode`); `backend`, if given,
             must be the device's own (`"neuron"`).
 
@@ -140,23 +142,24 @@ def compile_by_layer(function: Callable[..., Any], **options: Any) -> LayerwiseC
     if device_backend != DEVICE_BACKEND:
         raise ValueError(f"compile_by_layer compiles for the device's backend {DEVICE_BACKEND!r}, "
                          f"not {device_backend!r}")
-    return LayerwiseCompiled(function, options)
+    return LayerwiseCompiled(function, options, whole_because)
 
 
 class LayerwiseCompiled:
     """What `compile_by_layer` returns: `function` compiled a region at a time, or whole when
-    `OPTIMUM_NEURON_TORCH_DISABLE_LAYER_REUSE=1` or once that failed (`whole_graph_reason` says why;
-    from then on every call runs the whole graphs, so that a model never has both graph sets
-    compiled for one shape)."""
+    `OPTIMUM_NEURON_TORCH_DISABLE_LAYER_REUSE=1`, when the caller says why, or once that failed
+    (`whole_graph_reason` says why; from then on every call runs the whole graphs, so that a model
+    never has both graph sets compiled for one shape)."""
 
-    def __init__(self, function: Callable[..., Any], options: dict[str, Any]) -> None:
+    def __init__(self, function: Callable[..., Any], options: dict[str, Any], whole_because: str | None = None
+                 ) -> None:
         functools.update_wrapper(self, function)
         self.function, self.options = function, options
-        self.whole_graph_reason: str | None = None
+        self.whole_graph_reason = f"{settings.DISABLE_LAYER_REUSE_ENV}=1" if settings.layer_reuse_disabled() \
+            else whole_because
         self._by_layer = torch.compile(function, backend=backend, **options)
         self._whole: Callable[..., Any] | None = None
-        if settings.layer_reuse_disabled():
-            self.whole_graph_reason = f"{settings.DISABLE_LAYER_REUSE_ENV}=1"
+        if self.whole_graph_reason is not None:
             self._whole = torch.compile(function, backend=DEVICE_BACKEND, **options)
 
     def __call__(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -66,7 +66,12 @@ from .padding import (
     unpad,
 )
 from .sampling import SamplingParameters, sample
-from .tensor_parallel import embeddings_without_padding_index, share_random_state, tensor_parallel_mesh
+from .tensor_parallel import (
+    embeddings_without_padding_index,
+    share_random_state,
+    tensor_parallel_mesh,
+    whole_graphs_reason,
+)
 
 COMPILE_CONFIG = CompileConfig(backend="neuron", fullgraph=True, dynamic=False, mode="default")
 # Logging calls Dynamo traces as no-ops in the compiled forward (they still log when run eagerly).
@@ -188,7 +193,8 @@ class CompiledGeneration:
         logits are a host row that makes Transformers' loop choose them: 0 at the token, -inf
         elsewhere."""
         if self._compiled_forward is None:
-            self._compiled_forward = regions.compile_by_layer(_step, **COMPILE_CONFIG.to_dict())
+            self._compiled_forward = regions.compile_by_layer(_step, whole_because=whole_graphs_reason(self.model),
+                                                          **COMPILE_CONFIG.to_dict())
         if inputs.get("attention_mask") is None and not self.encoder_decoder and not self.states_only:
             inputs["attention_mask"] = self._causal_mask(inputs["input_ids"], inputs["cache"],
                                                          inputs.get("position_ids"))
@@ -249,7 +255,8 @@ class CompiledGeneration:
 
     def _encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> BaseModelOutput:
         if self._compiled_encoder is None:
-            self._compiled_encoder = regions.compile_by_layer(_call, **COMPILE_CONFIG.to_dict())
+            self._compiled_encoder = regions.compile_by_layer(_call, whole_because=whole_graphs_reason(self.model),
+                                                          **COMPILE_CONFIG.to_dict())
         return self._compiled_encoder(self.model.get_encoder(), input_ids=input_ids, attention_mask=attention_mask,
                                       return_dict=True)
 
@@ -527,7 +534,8 @@ class CompiledGeneration:
         decoder = self.model.get_decoder() if self.encoder_decoder else self.model
         kinds = len({type(layer) for layer in regions.repeated_layers(decoder)})
         return compile_bill(buckets or self.buckets, self.graph_plan(buckets, sampling), layers, max(kinds, 1),
-                            layer_reuse=kinds > 0 and not settings.layer_reuse_disabled())
+                            layer_reuse=kinds > 0 and not settings.layer_reuse_disabled()
+                            and whole_graphs_reason(self.model) is None)
 
     def precompile(self, show_progress: bool = True, sampling: bool | None = None) -> None:
         """Compiles (or loads from the compile cache) every graph of `graph_plan(sampling=sampling)`

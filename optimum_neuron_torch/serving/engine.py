@@ -40,7 +40,7 @@ from ..errors import InvalidRequestError, ServerBusyError
 from ..generation.buckets import Buckets
 from ..generation.compiled_generation import COMPILE_CONFIG
 from ..generation.padding import pad_token_id
-from ..generation.tensor_parallel import embeddings_without_padding_index
+from ..generation.tensor_parallel import embeddings_without_padding_index, whole_graphs_reason
 from .slots import SlotCache, slot_step
 from .tensor_parallel import StepBroadcast
 from .text import TextStream
@@ -158,7 +158,8 @@ class ServingEngine:
         eos = model.generation_config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.pad_token_id = pad_token_id(model.generation_config, model.get_input_embeddings().num_embeddings)
-        self._step = regions.compile_by_layer(slot_step, **COMPILE_CONFIG.to_dict())
+        self._step = regions.compile_by_layer(slot_step, whole_because=whole_graphs_reason(model),
+                                              **COMPILE_CONFIG.to_dict())
         self._broadcast = broadcast
         self._slots: list[Request | None] = [None] * batch_size
         self._waiting: collections.deque[Request] = collections.deque()
