@@ -15,7 +15,7 @@ import optimum_neuron_torch
 from optimum_neuron_torch.compiler.cache import CompileCache
 from optimum_neuron_torch.settings import COMPILE_CACHE_ENV as CACHE_ENV
 from testing_utils import optimum_cli
-from tiny_models import TINY_MODELS, tiny_tokenizer
+from tiny_models import PROGRAMS_PER_GRAPH, TINY_MODELS, tiny_tokenizer
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }} {{ message['content'] }} {% endfor %}"
@@ -24,6 +24,7 @@ CHAT_TEMPLATE = (
 PROMPT = "what is the capital of france?"
 NEW_TOKENS = 8
 BUCKETS = ("--batch-sizes", "1", "--prompt-buckets", "16", "--max-length", "64", "--context-buckets", "32")
+RUN, DISTINCT = 4 * PROGRAMS_PER_GRAPH, 9  # the programs the 4 graphs of BUCKETS run, and the distinct ones
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +106,9 @@ def test_compile_reports_its_graphs_and_saves_them_with_the_model(chat_model, co
     stdout, cache, saved = compiled
     assert "batch sizes [1], prompt buckets [16], max length 64, context buckets [32, 64]" in stdout
     # the prompt bucket's prefill (in context 32), a decode step per context bucket, and the chunk of a
-    # prompt of two chunks in the context 64
-    assert "4 graphs compiled" in stdout and "0 loaded from the compile cache" in stdout
+    # prompt of two chunks in the context 64: 4 graphs, 12 programs (PROGRAMS_PER_GRAPH), of which 9 distinct (the
+    # bill's count, below); the other 3 load what another graph compiled
+    assert f"{DISTINCT} graphs compiled" in stdout and f"{RUN - DISTINCT} loaded from the compile cache" in stdout
     assert str(cache) in stdout
 
     spec = json.loads((saved / "neuron_generation.json").read_text())
@@ -118,7 +120,7 @@ def test_compile_reports_its_graphs_and_saves_them_with_the_model(chat_model, co
     # The saved folder arrives precompiled: its graphs join an empty cache and nothing compiles.
     again = optimum_cli("compile", str(saved), *BUCKETS, env={CACHE_ENV: str(tmp_path / "cache")})
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "0 graphs compiled" in again.stdout and "4 loaded from the compile cache" in again.stdout
+    assert "0 graphs compiled" in again.stdout and f"{RUN} loaded from the compile cache" in again.stdout
 
 
 def test_compile_dry_run_prints_the_bill_and_compiles_nothing(chat_model, tmp_path):
@@ -127,6 +129,7 @@ def test_compile_dry_run_prints_the_bill_and_compiles_nothing(chat_model, tmp_pa
     # the same 4 graphs `compile` reports compiling for these buckets (test above)
     assert "MistralForCausalLM: the compile bill (--dry-run: nothing compiled)" in done.stdout
     assert "graphs to compile: 4 graphs: 1 prefill, 2 decode, 1 chunk" in done.stdout
+    assert f"distinct programs after layer reuse: {DISTINCT} (" in done.stdout
     assert list(CompileCache(tmp_path / "cache").entries()) == []
 
 
