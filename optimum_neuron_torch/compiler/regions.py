@@ -145,6 +145,12 @@ def compile_by_layer(function: Callable[..., Any], *, whole_because: str | None 
     return LayerwiseCompiled(function, options, whole_because)
 
 
+def reuse_off_reason(whole_because: str | None = None) -> str | None:
+    """Why `compile_by_layer` compiles whole graphs from the start, or None: the setting
+    `OPTIMUM_NEURON_TORCH_DISABLE_LAYER_REUSE=1`, else the caller's `whole_because`."""
+    return f"{settings.DISABLE_LAYER_REUSE_ENV}=1" if settings.layer_reuse_disabled() else whole_because
+
+
 class LayerwiseCompiled:
     """What `compile_by_layer` returns: `function` compiled a region at a time, or whole when
     `OPTIMUM_NEURON_TORCH_DISABLE_LAYER_REUSE=1`, when the caller says why, or once that failed
@@ -155,12 +161,9 @@ class LayerwiseCompiled:
                  ) -> None:
         functools.update_wrapper(self, function)
         self.function, self.options = function, options
-        self.whole_graph_reason = f"{settings.DISABLE_LAYER_REUSE_ENV}=1" if settings.layer_reuse_disabled() \
-            else whole_because
+        self.whole_graph_reason = reuse_off_reason(whole_because)
         self._by_layer = torch.compile(function, backend=backend, **options)
-        self._whole: Callable[..., Any] | None = None
-        if self.whole_graph_reason is not None:
-            self._whole = torch.compile(function, backend=DEVICE_BACKEND, **options)
+        self._whole = self._compiled_whole() if self.whole_graph_reason is not None else None
 
     def __call__(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if self._whole is None:
@@ -169,7 +172,7 @@ class LayerwiseCompiled:
                     return self._by_layer(model, *args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as error:  # (raised while tracing or compiling: nothing ran)
                 reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
-                self._whole = torch.compile(self.function, backend=DEVICE_BACKEND, **self.options)
+                self._whole = self._compiled_whole()
                 result = self._whole(model, *args, **kwargs)  # (an error here is the model's own, not the regions')
                 self.whole_graph_reason = reason
                 warnings.warn(f"{type(model).__name__}'s repeated layers could not be compiled once each ({reason}): "
@@ -177,6 +180,9 @@ class LayerwiseCompiled:
                               "grows with the number of layers).", stacklevel=2)
                 return result
         return self._whole(model, *args, **kwargs)
+
+    def _compiled_whole(self) -> Callable[..., Any]:
+        return torch.compile(self.function, backend=DEVICE_BACKEND, **self.options)
 
 
 def repeated_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -48,7 +48,6 @@ from transformers.generation import GenerationMode, LogitsProcessor, LogitsProce
 from transformers.masking_utils import create_masks_for_generate
 from transformers.modeling_outputs import BaseModelOutput
 
-from .. import settings
 from ..compiler import regions
 from ..compiler.dynamo_backend import recording_cache_keys
 from ..errors import CollectiveError, InsufficientDeviceMemoryError, NeuronTorchError, RankFailedError, first_line
@@ -534,8 +533,8 @@ class CompiledGeneration:
         decoder = self.model.get_decoder() if self.encoder_decoder else self.model
         kinds = len({type(layer) for layer in regions.repeated_layers(decoder)})
         return compile_bill(buckets or self.buckets, self.graph_plan(buckets, sampling), layers, max(kinds, 1),
-                            layer_reuse=kinds > 0 and not settings.layer_reuse_disabled()
-                            and whole_graphs_reason(self.model) is None)
+                            layer_reuse=kinds > 0
+                            and regions.reuse_off_reason(whole_graphs_reason(self.model)) is None)
 
     def precompile(self, show_progress: bool = True, sampling: bool | None = None) -> None:
         """Compiles (or loads from the compile cache) every graph of `graph_plan(sampling=sampling)`
