@@ -23,6 +23,7 @@ from testing_utils import optimum_cli
 from tiny_models import PROGRAMS_PER_GRAPH, TINY_MODELS
 
 PROGRAMS = 2 * PROGRAMS_PER_GRAPH  # the tiny llama's prefill bucket and decode step
+ENTRIES = PROGRAMS + 2  # and their two compiled functions, saved for warm starts (see `compiler.precompiled`)
 
 PACKAGE = Path(remote.__file__).parents[1]
 
@@ -61,9 +62,9 @@ def test_graphs_pushed_from_one_checkout_warm_start_another_at_another_path(tmp_
 
     cold = generated(in_checkout(checkouts["a"], cache_a, "-c", GENERATE, str(model_a)))
     assert cold["misses"] == PROGRAMS and cold["hits"] == 0
-    assert f"pushed {PROGRAMS} compiled graphs (0 already there" in cli_in(checkouts["a"], cache_a, "cache", "push",
+    assert f"pushed {ENTRIES} compiled graphs (0 already there" in cli_in(checkouts["a"], cache_a, "cache", "push",
                                                                  str(remote_folder)).stdout
-    assert f"pushed 0 compiled graphs ({PROGRAMS} already there" in cli_in(checkouts["a"], cache_a, "cache", "push",
+    assert f"pushed 0 compiled graphs ({ENTRIES} already there" in cli_in(checkouts["a"], cache_a, "cache", "push",
                                                                  str(remote_folder)).stdout
     # No key, record or entry metadata names a path of checkout A. (The compiled files themselves do: the
     # kernels' debugging information and Inductor's records keep the folder they were built in; nothing
@@ -73,7 +74,7 @@ def test_graphs_pushed_from_one_checkout_warm_start_another_at_another_path(tmp_
         assert str(tmp_path) not in (entry.path / "entry.json").read_text()
     for record in records:
         assert str(tmp_path) not in record.read_text()
-    assert len(records) == PROGRAMS
+    assert len(records) == ENTRIES
     for record in map(json.loads, map(Path.read_text, records)):
         blob = remote_folder / remote.LAYOUT / "blobs" / f"{record['sha256']}.tar"
         assert hashlib.sha256(blob.read_bytes()).hexdigest() == record["sha256"]
@@ -90,22 +91,23 @@ def test_graphs_pushed_from_one_checkout_warm_start_another_at_another_path(tmp_
     records[1].write_text(json.dumps({**second, "environment": {**second["environment"], "torch": "9.9.9"}}))
     (records[0].parent / "unreadable.json").write_text("{not json")
     pulled = cli_in(checkouts["b"], cache_b, "cache", "pull", str(remote_folder))
-    assert f"pulled {PROGRAMS - 2} compiled graphs (0 already there, 3 skipped)" in pulled.stdout
+    assert f"pulled {ENTRIES - 2} compiled graphs (0 already there, 3 skipped)" in pulled.stdout
     assert "skipped graph unreadable: its record or archive cannot be read (JSONDecodeError" in pulled.stderr
     assert f"skipped graph {first['name']}: its archive's SHA-256 differs" in pulled.stderr
     assert f"skipped graph {second['name']}: compiled for another environment: torch '9.9.9' (here " in pulled.stderr
     pulled_keys = {entry.key for entry in CompileCache(cache_b).entries()}
-    assert len(pulled_keys) == PROGRAMS - 2 and not pulled_keys & {first["name"], second["name"]}
+    assert len(pulled_keys) == ENTRIES - 2 and not pulled_keys & {first["name"], second["name"]}
 
     damaged.write_bytes(original)
     records[1].write_text(json.dumps(second))
     (records[0].parent / "unreadable.json").unlink()
     pulled = cli_in(checkouts["b"], cache_b, "cache", "pull", str(remote_folder)).stdout
-    assert f"pulled 2 compiled graphs ({PROGRAMS - 2} already there, 0 skipped)" in pulled
+    assert f"pulled 2 compiled graphs ({ENTRIES - 2} already there, 0 skipped)" in pulled
     warm = generated(in_checkout(checkouts["b"], cache_b, "-c", GENERATE, str(model_b)))
     assert warm["misses"] == 0 and warm["hits"] == PROGRAMS
+    assert (warm["traced"], warm["restored"], warm["dynamo_graphs"]) == (0, 2, 0)  # nothing traced in B either
     assert warm["tokens"] == cold["tokens"]
-    assert f"pulled 0 compiled graphs ({PROGRAMS} already there" in cli_in(checkouts["b"], cache_b, "cache", "pull",
+    assert f"pulled 0 compiled graphs ({ENTRIES} already there" in cli_in(checkouts["b"], cache_b, "cache", "pull",
                                                                  str(remote_folder)).stdout
 
 

@@ -21,6 +21,7 @@ from testing_utils import optimum_cli, run_python
 from tiny_models import PROGRAMS_PER_GRAPH, TINY_MODELS
 
 PROGRAMS = 2 * PROGRAMS_PER_GRAPH  # the tiny llama's prefill bucket and decode step
+FUNCTIONS = 2  # their compiled functions, saved for warm starts (see `compiler.precompiled`)
 
 # Loads the tiny Llama saved in sys.argv[1] with NeuronAutoModelForCausalLM, generates once, and
 # prints the tokens and the compile-cache counters as JSON.
@@ -35,6 +36,8 @@ start = time.perf_counter()
 tokens = model.generate(ids, max_new_tokens=4, do_sample=False)
 stats = cache_stats()
 print(json.dumps({"tokens": tokens.cpu().tolist(), "hits": stats.hits, "misses": stats.misses,
+                  "traced": stats.traced, "restored": stats.restored,
+                  "dynamo_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
                   "first_call_seconds": time.perf_counter() - start}))
 """
 
@@ -85,9 +88,13 @@ def test_a_second_process_loads_instead_of_compiling(saved_llama, filled_cache, 
     copied = copy_of(cache, tmp_path / "cache")
     warm = result(generate_in_subprocess(saved_llama, copied))
     assert cold["misses"] == PROGRAMS and cold["hits"] == 0
+    assert (cold["traced"], cold["restored"], cold["dynamo_graphs"]) == (FUNCTIONS, 0, FUNCTIONS)
     assert warm["misses"] == 0 and warm["hits"] == PROGRAMS
+    # A warm start runs no Dynamo: the compiled functions are restored with their guards
+    assert (warm["traced"], warm["restored"], warm["dynamo_graphs"]) == (0, FUNCTIONS, 0)
     assert warm["tokens"] == cold["tokens"]
-    assert len(list(CompileCache(copied).entries())) == PROGRAMS
+    entries = list(CompileCache(copied).entries())
+    assert (len(entries), sum(entry.is_function for entry in entries)) == (PROGRAMS + FUNCTIONS, FUNCTIONS)
     # Loading builds nothing: no kernel, and none of the libraries with which Inductor probes the
     # CPU's vector instruction sets (built in an entry, they were built again by every process)
     assert files_in(copied) == files_in(cache)
@@ -101,7 +108,7 @@ def test_two_processes_compiling_the_same_graphs_leave_one_valid_entry_each(save
     assert first["tokens"] == second["tokens"]
     assert first["misses"] + second["misses"] == PROGRAMS  # each compiled once; the other process waited and loaded it
     entries = list(CompileCache(tmp_path / "cache").entries())
-    assert len(entries) == PROGRAMS
+    assert len(entries) == PROGRAMS + FUNCTIONS
     assert not any((tmp_path / "cache" / "tmp").iterdir())
     assert result(generate_in_subprocess(saved_llama, tmp_path / "cache"))["misses"] == 0  # the entries load
 
@@ -149,8 +156,8 @@ def test_a_model_saved_precompiled_arrives_precompiled(saved_llama, filled_cache
     assert done.returncode == 0, done.stderr[-3000:]
     spec = json.loads((tmp_path / "precompiled" / "neuron_generation.json").read_text())
     assert spec["buckets"] == {"batch_sizes": [1], "prompt_buckets": [16], "max_length": 64, "context_buckets": [64]}
-    assert len(spec["graphs"]) == PROGRAMS and all((tmp_path / "precompiled" / "neuron_compiled" / key).is_dir()
-                                            for key in spec["graphs"])
+    assert len(spec["graphs"]) == PROGRAMS + FUNCTIONS
+    assert all((tmp_path / "precompiled" / "neuron_compiled" / key).is_dir() for key in spec["graphs"])
 
     arrived = result(generate_in_subprocess(tmp_path / "precompiled", tmp_path / "second"))
     assert arrived["misses"] == 0 and arrived["hits"] == PROGRAMS
@@ -163,10 +170,11 @@ def test_a_second_model_of_the_same_shapes_saves_its_graphs_too(saved_llama, tmp
     models = [NeuronAutoModelForCausalLM.from_pretrained(saved_llama) for _ in range(2)]
     for model in models:
         model.precompile(batch_sizes=(1,), prompt_buckets=(16,), max_length=64, show_progress=False)
-    assert len(models[1].neuron_generation.cache_keys) == PROGRAMS
+    assert len(models[1].neuron_generation.cache_keys) == PROGRAMS + FUNCTIONS
     assert models[1].neuron_generation.cache_keys == models[0].neuron_generation.cache_keys
     models[1].save_pretrained(tmp_path / "second")
-    assert len(json.loads((tmp_path / "second" / "neuron_generation.json").read_text())["graphs"]) == PROGRAMS
+    saved = json.loads((tmp_path / "second" / "neuron_generation.json").read_text())
+    assert len(saved["graphs"]) == PROGRAMS + FUNCTIONS
 
 
 def test_graphs_saved_in_another_environment_are_recompiled_with_a_message(saved_llama, tmp_path):
@@ -191,9 +199,11 @@ def test_cli_lists_reports_and_clears_the_cache(filled_cache, tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout
 
-    assert cli("list").startswith(f"{PROGRAMS} compiled graphs in {tmp_path / 'cache'}")
-    assert f"graphs: {PROGRAMS}" in cli("stats")
-    assert f"removed {PROGRAMS} compiled graphs" in cli("clear")
+    listed = cli("list")
+    assert listed.startswith(f"{PROGRAMS} compiled graphs and {FUNCTIONS} compiled functions in {tmp_path / 'cache'}")
+    assert listed.count("function optimum_neuron_torch.generation.compiled_generation._step") == FUNCTIONS
+    assert f"graphs: {PROGRAMS}\ncompiled functions (warm starts without tracing): {FUNCTIONS}" in cli("stats")
+    assert f"removed {PROGRAMS + FUNCTIONS} compiled graphs and functions" in cli("clear")
     assert "graphs: 0" in cli("stats")
 
 

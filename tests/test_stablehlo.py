@@ -20,7 +20,7 @@ def test_compiled_generation_graphs_are_kept_with_their_stablehlo(tmp_path, monk
     torch._dynamo.reset()
     model = enable_compiled_generation(TINY_MODELS["llama"].build().to("neuron"), Buckets((1,), (8,), 32))
     model.generate(torch.randint(4, 128, (1, 5)).to("neuron"), max_new_tokens=3, do_sample=False)
-    entries = list(CompileCache(tmp_path).entries())
+    entries = [entry for entry in CompileCache(tmp_path).entries() if not entry.is_function]
     assert len(entries) == 2 * PROGRAMS_PER_GRAPH  # prefill and decode
     layer_parameters = sum(1 for _ in model.model.layers[0].parameters())
     layers = []

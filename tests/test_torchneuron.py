@@ -22,9 +22,11 @@ import pytest
 import torch
 
 import optimum_neuron_torch as ont
+from optimum_neuron_torch.settings import COMPILE_CACHE_ENV
 from tiny_models import PROGRAMS_PER_GRAPH, TINY_MODELS, tiny_tokenizer
 
 PROGRAMS = 2 * PROGRAMS_PER_GRAPH  # the tiny llama's prefill bucket and decode step
+FUNCTIONS = 2  # their compiled functions, saved for warm starts (see `compiler.precompiled`)
 
 STANDIN = Path(__file__).parent / "torchneuron_standin"
 CLI = os.path.join(os.path.dirname(sys.executable), "optimum-cli")
@@ -315,12 +317,18 @@ def test_sharded_load_compiled_generate_pipeline_and_check(torchneuron, llama):
     assert out["backend"].startswith("torchneuron 2.13.3.0")
 
 
+def machine(tmp_path: Path, name: str) -> dict[str, str]:
+    """The environment of machine `name`: a NEFF cache and a compile cache of its own."""
+    return {"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / f"neff_{name}"),
+            COMPILE_CACHE_ENV: str(tmp_path / f"cache_{name}")}
+
+
 @pytest.mark.slow
 def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llama, tmp_path):
     saved = tmp_path / "saved"
     compiled = torchneuron.cli("compile", str(llama), "--batch-sizes", "1", "--prompt-buckets", "16",
                                "--max-length", "32",
-                               "--save", str(saved), env={"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff_a")})
+                               "--save", str(saved), env=machine(tmp_path, "a"))
     assert compiled.returncode == 0, compiled.stderr[-5000:]
     assert "graphs compiled by TorchNeuron" in compiled.stdout
     assert f"saved with TorchNeuron's compiled artifacts ({PROGRAMS} neuron_neff)" in compiled.stdout, compiled.stdout
@@ -343,7 +351,7 @@ def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llam
                                 do_sample=False)
         print(json.dumps({{"neffs": neffs, "tokens": tokens[0].tolist(), **backend._stats}}))
         """,
-        env={"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff_b")},
+        env=machine(tmp_path, "b"),
     )
     assert result.returncode == 0, result.stderr[-5000:]
     out = _last_json(result.stdout)
@@ -354,11 +362,14 @@ def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llam
     # NEFFs and generates with the plain model folder (no saved artifacts), compiling nothing.
     remote_folder = tmp_path / "remote"
     pushed = torchneuron.cli("cache", "push", str(remote_folder),
-                             env={"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff_a")})
-    assert pushed.returncode == 0 and f"pushed {PROGRAMS} compiled graphs" in pushed.stdout, pushed.stderr[-3000:]
+                             env=machine(tmp_path, "a"))
+    # (the NEFFs, and the compiled functions saved for warm starts)
+    assert pushed.returncode == 0 and f"pushed {PROGRAMS + FUNCTIONS} compiled graphs" in pushed.stdout, \
+        pushed.stderr[-3000:]
     pulled = torchneuron.cli("cache", "pull", str(remote_folder),
-                             env={"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff_c")})
-    assert pulled.returncode == 0 and f"pulled {PROGRAMS} compiled graphs" in pulled.stdout, pulled.stderr[-3000:]
+                             env=machine(tmp_path, "c"))
+    assert pulled.returncode == 0 and f"pulled {PROGRAMS + FUNCTIONS} compiled graphs" in pulled.stdout, \
+        pulled.stderr[-3000:]
     result = torchneuron.python(
         f"""
         import json, torch, optimum_neuron_torch as ont
@@ -371,7 +382,7 @@ def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llam
                                 do_sample=False)
         print(json.dumps({{"tokens": tokens[0].tolist(), **backend._stats}}))
         """,
-        env={"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / "neff_c")},
+        env=machine(tmp_path, "c"),
     )
     assert result.returncode == 0, result.stderr[-5000:]
     out = _last_json(result.stdout)

@@ -11,11 +11,16 @@ from ..settings import neff_cache_dir
 
 
 def list_cache() -> None:
-    """Prints every compiled graph: key, size, compile time, first input shapes."""
+    """Prints every compiled graph (key, size, compile time, first input shapes) and every compiled
+    function saved for warm starts (key, size, function)."""
     cache = CompileCache()
     entries = list(cache.entries())
-    print(f"{len(entries)} compiled graphs in {cache.root}")
+    functions = [entry for entry in entries if entry.is_function]
+    print(f"{len(entries) - len(functions)} compiled graphs and {len(functions)} compiled functions in {cache.root}")
     for entry in entries:
+        if entry.is_function:
+            print(f"{entry.key[:16]}  {entry.size / 2**20:7.2f} MiB  function {entry.metadata.get('function')}")
+            continue
         shapes = ", ".join("x".join(map(str, shape)) or "scalar"
                            for shape in entry.metadata.get("input_shapes", [])[:4])
         print(f"{entry.key[:16]}  {entry.size / 2**20:7.2f} MiB  "
@@ -28,7 +33,9 @@ def print_cache_stats() -> None:
     cache = CompileCache()
     entries = list(cache.entries())
     print(f"compile cache: {cache.root}")
-    print(f"graphs: {len(entries)}")
+    functions = sum(entry.is_function for entry in entries)
+    print(f"graphs: {len(entries) - functions}")
+    print(f"compiled functions (warm starts without tracing): {functions}")
     print(f"size: {sum(entry.size for entry in entries) / 2**20:.2f} MiB")
     print(f"compile time stored: {sum(entry.metadata.get('compile_seconds', 0) for entry in entries):.1f} s")
     if backend_info().name == "torchneuron":
@@ -36,9 +43,9 @@ def print_cache_stats() -> None:
 
 
 def clear_cache() -> None:
-    """Removes every compiled graph."""
+    """Removes every compiled graph and compiled function."""
     cache = CompileCache()
-    print(f"removed {cache.clear()} compiled graphs from {cache.root}")
+    print(f"removed {cache.clear()} compiled graphs and functions from {cache.root}")
 
 
 def push_cache(destination: str) -> None:

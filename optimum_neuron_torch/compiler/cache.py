@@ -42,11 +42,15 @@ CHECKSUMS = "files"  # the metadata field holding {relative path: SHA-256} of ea
 @dataclass
 class CacheStats:
     """What this process got from the cache: hits, misses (compiles) and the seconds they took;
-    `uncached`, the misses whose graph could not be stored (compiled again in each process)."""
+    `uncached`, the misses whose graph could not be stored (compiled again in each process);
+    `traced`, the compiled functions Dynamo traced (and saved), `restored`, those loaded instead
+    of traced (see `precompiled`)."""
 
     hits: int = 0
     misses: int = 0
     uncached: int = 0
+    traced: int = 0
+    restored: int = 0
     compile_seconds: float = 0.0
     load_seconds: float = 0.0
 
@@ -65,13 +69,22 @@ def reset_cache_stats() -> None:
         setattr(STATS, field.name, field.default)
 
 
+FUNCTION_KIND = "compiled function"  # the `kind` of an entry holding a traced function (see `precompiled`)
+SLOTS_DIR = "warm-starts"  # (beside the entries: which function was saved last for each call, see `precompiled`)
+
+
 @dataclass(frozen=True)
 class Entry:
-    """One compiled graph on disk."""
+    """One compiled graph on disk, or one compiled function (a traced function saved for warm
+    starts, see `precompiled`: its `kind` is `FUNCTION_KIND`)."""
 
     key: str
     path: Path
     metadata: dict[str, Any]
+
+    @property
+    def is_function(self) -> bool:
+        return self.metadata.get("kind") == FUNCTION_KIND
 
     @property
     def size(self) -> int:
@@ -127,7 +140,7 @@ def _without_current_device_index(code: str) -> str:
     return code.replace(current, "device(type='neuron')")
 
 
-def _autocast_state() -> str:
+def autocast_state() -> str:
     """Whether autocast is on, and to which dtype, for the device and the CPU."""
     states = []
     for device in ("neuron", "cpu"):
@@ -156,7 +169,7 @@ def graph_key(gm: torch.fx.GraphModule, example_inputs: list[Any], environment: 
     digest.update(f"grad_enabled={torch.is_grad_enabled()}".encode())
     # Likewise autocast: under an autocast the caller entered (Trainer's bf16) AOTAutograd traces the casts into
     # the graph, whose Dynamo code is the same as without it: a float32 graph must not serve a bf16 step.
-    digest.update(_autocast_state().encode())
+    digest.update(autocast_state().encode())
     digest.update(json.dumps(environment, sort_keys=True).encode())
     digest.update(json.dumps(options, sort_keys=True, default=repr).encode())
     return digest.hexdigest()
@@ -245,5 +258,6 @@ class CompileCache:
             shutil.rmtree(entry.path, ignore_errors=True)
             removed += 1
         shutil.rmtree(self.root / "tmp", ignore_errors=True)
+        shutil.rmtree(self.root / SLOTS_DIR, ignore_errors=True)
         return removed
 

@@ -141,15 +141,19 @@ def compile_cached(gm: torch.fx.GraphModule, example_inputs: list[Any], options:
     return _recorded(compiled, key)
 
 
-def _recorded(compiled: Callable[..., Any], key: str) -> Callable[..., Any]:
-    """`compiled`, noting `key` in the active recorders now and on every call: Dynamo runs a graph
-    compiled for an earlier model of the same shapes again without asking the backend."""
+def note_cache_key(key: str) -> None:
+    """Notes `key`, the cache entry of something about to run, in the active recorders."""
     for keys in _recorders:
         keys.add(key)
 
+
+def _recorded(compiled: Callable[..., Any], key: str) -> Callable[..., Any]:
+    """`compiled`, noting `key` in the active recorders now and on every call: Dynamo runs a graph
+    compiled for an earlier model of the same shapes again without asking the backend."""
+    note_cache_key(key)
+
     def run(*args: Any) -> Any:
-        for keys in _recorders:
-            keys.add(key)
+        note_cache_key(key)
         return compiled(*args)
 
     return run

@@ -45,6 +45,7 @@ from torch._dynamo.backends.registry import lookup_backend
 
 from .. import settings
 from . import partition
+from .precompiled import PrecompiledFunction
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 DEVICE_BACKEND = "neuron"  # the device's own backend: TorchNeuron's, or the reference device's
@@ -162,7 +163,7 @@ class LayerwiseCompiled:
         functools.update_wrapper(self, function)
         self.function, self.options = function, options
         self.whole_graph_reason = reuse_off_reason(whole_because)
-        self._by_layer = torch.compile(function, backend=backend, **options)
+        self._by_layer = PrecompiledFunction(function, options, backend=f"{__name__}:backend")
         self._whole = self._compiled_whole() if self.whole_graph_reason is not None else None
 
     def __call__(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -182,7 +183,7 @@ class LayerwiseCompiled:
         return self._whole(model, *args, **kwargs)
 
     def _compiled_whole(self) -> Callable[..., Any]:
-        return torch.compile(self.function, backend=DEVICE_BACKEND, **self.options)
+        return PrecompiledFunction(self.function, self.options, backend=DEVICE_BACKEND)
 
 
 def repeated_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -234,4 +235,8 @@ def _marked_forward(cls: type) -> Callable[..., Any]:
         return forward(self, *args, **kwargs)
 
     region.__name__ = region.__qualname__ = f"{cls.__name__}_region"
-    return torch.compiler.nested_compile_region(region)
+    marked = torch.compiler.nested_compile_region(region)
+    # Named as the attribute it is set as: Dynamo's guards reach a bound method through its name
+    # when they are saved for a warm start (see `precompiled`).
+    marked.__name__ = "forward"
+    return marked

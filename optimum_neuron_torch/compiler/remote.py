@@ -102,16 +102,19 @@ class _Local:
 
 
 def _local_entries(cache: CompileCache) -> Iterator[_Local]:
-    """The entries this backend compiled: the compile cache's on the reference device, the NEFF
-    cache's files on TorchNeuron (which compiles through its own cache)."""
+    """The entries this backend compiled: the compile cache's (on TorchNeuron, which compiles through
+    its own cache, the compiled functions saved for warm starts only), and on TorchNeuron the NEFF
+    cache's files."""
     if backend_info().name == "torchneuron":
         root = neff_cache_dir()
         for path in sorted(root.rglob("*")) if root.is_dir() else ():
             name = path.relative_to(root).as_posix()
             if path.is_file() and not path.name.endswith((".tmp", ".lock")) and not name.startswith(STAGING):
                 yield _Local(NEFF, name, root, (name,))
-        return
+    backend = compile_environment()["backend"]
     for entry in cache.entries():
+        if entry.metadata.get("environment", {}).get("backend") != backend:  # (another backend's, e.g. a test's)
+            continue
         members = tuple(file.relative_to(entry.path).as_posix() for file in sorted(entry.path.rglob("*"))
                         if file.is_file())
         yield _Local(GRAPH, entry.key, entry.path, members)
@@ -208,17 +211,18 @@ def pull(source: str, cache: CompileCache | None = None) -> TransferReport:
     """
     cache = cache or CompileCache()
     fs, root = _file_system(source)
-    kind = NEFF if backend_info().name == "torchneuron" else GRAPH
+    kinds = (NEFF, GRAPH) if backend_info().name == "torchneuron" else (GRAPH,)
     here = compile_environment()
     report = TransferReport()
     try:
         if not fs.isdir(f"{root}/{LAYOUT}"):
             raise CompileCacheError(f"{source} holds no compiled graphs (no {LAYOUT}/ folder): push to it first.")
-        records = sorted(fs.glob(f"{root}/{LAYOUT}/entries/{kind}/*.json"))
+        records = [(kind, path) for kind in kinds
+                   for path in sorted(fs.glob(f"{root}/{LAYOUT}/entries/{kind}/*.json"))]
     except OSError as error:
         raise CompileCacheError(f"cannot pull compiled graphs from {source}: {type(error).__name__}: "
                                 f"{first_line(error)}") from error
-    for record_path in records:
+    for kind, record_path in records:
         name = record_path.rsplit("/", 1)[-1].removesuffix(".json")
         try:
             record = json.loads(fs.cat_file(record_path))
