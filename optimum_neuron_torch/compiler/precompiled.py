@@ -9,19 +9,15 @@ output (the bytecode around the graph, the guards, the graph) and nothing of the
 name: loading one runs no Dynamo, and its graph's programs are hits of the compile cache (on
 TorchNeuron, of its NEFF cache).
 
-Saved functions are entries of the compile cache (so `cache push` and `cache pull` carry them),
-keyed by all a traced function depends on: the function's source, the library, torch, Transformers
-and backend versions, the model's class, config and weight layout (names, shapes, dtypes), the
-inputs' shapes, strides and dtypes and the other arguments' values, the grad and autocast modes,
-the compile options. No path: a model is its config and layout, not its folder. A function saved
-for the same call under other dependencies is named when it is not used (`Warm start of ... not
-used: torch changed`). A saved function whose file does not match its checksums, does not load,
-whose traced sources changed since (an edited Transformers) or whose guards refuse the call, is
-never run: a warning names the entry and why, and the function is traced again.
+Saved functions are compile-cache entries (`cache push`/`pull` carry them), keyed by all a traced
+function depends on (see `PrecompiledFunction._dependencies`), no path. When a function saved for
+the same call under other dependencies is not used, a warning names what changed. One that does
+not match its checksums, does not load, whose traced sources changed since (an edited
+Transformers) or whose guards refuse the call is never run: a warning names the entry and why,
+and the function is traced again.
 
 Example:
-    >>> step = PrecompiledFunction(lambda model, ids: model(ids).logits, {"fullgraph": True},  # doctest: +SKIP
-    ...                            backend="neuron")
+    >>> step = PrecompiledFunction(logits_of, {"fullgraph": True}, backend="neuron")  # doctest: +SKIP
     >>> logits = step(model, ids)  # doctest: +SKIP  (traced once per machine, then loaded)
 """
 
@@ -288,6 +284,10 @@ class PrecompiledFunction:
                     compiled = self._compiler.aot_compile(((model, *args), kwargs))
             except torch._dynamo.exc.PackageError as error:  # (its guards cannot be saved)
                 raise _NotSaveable(f"{type(error).__name__}: {first_line(error)}") from error
+            except torch._dynamo.exc.TorchDynamoException:  # (Dynamo's own: the caller's to handle)
+                raise
+            except Exception as error:  # (what saving the guards raises, e.g. a PicklingError: retried unsaved)
+                raise _NotSaveable(f"{type(error).__name__}: {first_line(error)}") from error
             try:
                 data = AOTCompiledFunction.serialize(compiled).serialized_data
             except Exception as error:  # (what pickling an object of the traced code raises)
@@ -334,6 +334,7 @@ class PrecompiledFunction:
                          "source": _source_digest(self.function), "backend": self.backend,
                          "options": repr(sorted(self.options.items()))},
             "environment": {**artifact.compile_environment(), "transformers": transformers.__version__},
+            "rank": torch.distributed.get_rank() if torch.distributed.is_initialized() else None,  # (graphs per rank)
             "model": type(model).__qualname__,
             "config": _digest(config),
             "weights": _digest(layout),
