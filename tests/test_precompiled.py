@@ -154,3 +154,46 @@ def test_a_function_saved_for_another_config_is_named_when_not_used(cache):
     with pytest.warns(UserWarning, match=r"\.step saved for this call was not used: the config\. It is traced"):
         run(model, x)
     assert counts() == (1, 0, 1)
+
+
+
+def test_frozen_weights_are_keyed_apart_from_trainable_ones(cache):
+    """Dynamo guards on each parameter's requires_grad: a function saved for trainable weights is
+    not the frozen model's (named as a change of the weights, never tried and refused)."""
+    model, x = model_and_input()
+    run(model, x)
+    new_process()
+    model.requires_grad_(False)
+    with pytest.warns(UserWarning, match=r"\.step saved for this call was not used: the weights\. It is traced"):
+        run(model, x)
+    assert counts() == (1, 0, 1)
+
+
+def doubled(self: Tiny, x: torch.Tensor) -> torch.Tensor:
+    return 2 * self.linear(x)
+
+
+def test_a_function_whose_guards_cannot_be_saved_runs_unsaved_and_gives_its_memory_back(cache):
+    """A method set on one instance (what a scoped patch does) has guards Dynamo cannot save: the
+    function is compiled as plain torch.compile, and nothing of the failed save keeps the model."""
+    import gc
+    import types
+
+    model, x = model_and_input()
+    expected = step(model, x)
+    gc.collect()
+    before = torch.neuron.memory_allocated()
+    model.to("neuron").forward = types.MethodType(doubled, model)
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"step cannot be saved for warm starts \(PackageError"):
+        got = PrecompiledFunction(step, OPTIONS, backend="neuron")(model, x.to("neuron")).cpu()
+    torch.testing.assert_close(got, 2 * expected, rtol=1e-5, atol=1e-5)
+    assert not [entry for entry in cache.entries() if entry.is_function]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # (the trace that failed to save, then)
+    new_process()  # the next process knows: one trace, unsaved
+    with torch.no_grad(), pytest.warns(UserWarning, match=r"PackageError.*noted by an earlier run"):
+        PrecompiledFunction(step, OPTIONS, backend="neuron")(model, x.to("neuron"))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    del model
+    torch._dynamo.reset()  # (plain torch.compile's own cache entries hold the model until reset)
+    gc.collect()
+    assert torch.neuron.memory_allocated() == before

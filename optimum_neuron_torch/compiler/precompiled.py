@@ -30,7 +30,6 @@ import inspect
 import json
 import logging
 import os
-import pickle
 import sys
 import threading
 import types
@@ -41,147 +40,20 @@ from typing import Any
 
 import torch
 from torch._dynamo.aot_compile import AOTCompiledFunction
-from torch._dynamo.aot_compile_types import SerializableCallable
 
 from ..errors import first_line
 from . import artifact
 from .cache import FUNCTION_KIND, SLOTS_DIR, STATS, CompileCache, autocast_state
 from .dynamo_backend import note_cache_key
+from .saved_graph import GraphNotReplayable, SavedGraph, backend_named
 
 logger = logging.getLogger(__name__)
 
 FUNCTION_FILE = "function.bin"
-# Node metadata kept in a saved graph: Dynamo's fake values hold its tracing context, which does not
-# pickle; they are computed again from the call's inputs (see `SavedGraph`).
-KEPT_META = ("stack_trace",)
-# A scalar Dynamo's graph reads from a tensor (`.item()` of a length it specialized on) cannot be
-# computed again from fake values: the value Dynamo saw is kept under this name.
-SCALAR_META = "precompiled_scalar"
 
 
 class _NotSaveable(Exception):
     """A function traced, whose guards or code cannot be saved."""
-
-
-class _NotReplayable(_NotSaveable):
-    """A saved graph that cannot be compiled from its data (raised on its first call)."""
-
-
-class SavedGraph(SerializableCallable):
-    """Dynamo's graph as data, compiled by the backend named `backend` (`"module:function"` or a
-    Dynamo backend's name) on its first call, from the fake values of that call's inputs (with the
-    `requires_grad` Dynamo recorded, part of a program's cache key). One path for a graph just
-    traced and one loaded; and the backend compiles outside of AOT precompile's capture, whose
-    AOTAutograd settings (a bundled cache entry expected back) TorchNeuron's backend does not meet."""
-
-    def __init__(self, graph: bytes, backend: str, requires_grad: list[bool | None]) -> None:
-        self.graph, self.backend, self.requires_grad = graph, backend, requires_grad
-        self._compiled: Callable[..., Any] | None = None
-        self._lock = threading.Lock()
-
-    @classmethod
-    def from_dynamo(cls, gm: torch.fx.GraphModule, example_inputs: list[Any], backend: str) -> SavedGraph:
-        """Dynamo's graph `gm`, to be compiled by `backend`."""
-        requires_grad = [value.requires_grad if isinstance(value, torch.Tensor) else None for value in example_inputs]
-        return cls(_dumps(gm), backend, requires_grad)
-
-    @classmethod
-    def serialize_compile_artifacts(cls, fn: SavedGraph) -> bytes:
-        return pickle.dumps({"graph": fn.graph, "backend": fn.backend, "requires_grad": fn.requires_grad})
-
-    @classmethod
-    def deserialize_compile_artifacts(cls, data: bytes) -> SavedGraph:
-        return cls(**pickle.loads(data))
-
-    def __call__(self, *args: Any) -> Any:
-        if self._compiled is None:
-            with self._lock:
-                if self._compiled is None:
-                    gm, backend = _loads(self.graph), _backend(self.backend)
-                    try:
-                        examples = _fake_values(gm, args, self.requires_grad)
-                    except Exception as error:  # (e.g. a scalar read in the graph, which Dynamo kept unbacked)
-                        raise _NotReplayable(f"its graph's values cannot be computed again ({type(error).__name__}: "
-                                             f"{first_line(error)})") from error
-                    try:
-                        self._compiled = backend(gm, examples)
-                    except Exception as error:  # (raised as Dynamo raises a backend's error: callers handle that)
-                        raise torch._dynamo.exc.BackendCompilerFailed(backend, error, None) from error
-        return self._compiled(*args)
-
-
-def _backend(name: str) -> Callable[..., Any]:
-    from torch._dynamo.backends.registry import lookup_backend
-
-    module, _, function = name.partition(":")
-    return getattr(importlib.import_module(module), function) if function else lookup_backend(name)
-
-
-def _graph_modules(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
-    return [module for module in gm.modules() if isinstance(module, torch.fx.GraphModule)]
-
-
-def _dumps(gm: torch.fx.GraphModule) -> bytes:
-    from torch.fx._graph_pickler import GraphPickler, Options
-
-    nodes = [node for module in _graph_modules(gm) for node in module.graph.nodes]
-    metas = [node.meta for node in nodes]
-    try:
-        for node in nodes:
-            scalar = node.meta.get("example_value")
-            node.meta = {name: value for name, value in node.meta.items() if name in KEPT_META}
-            if type(scalar) in (int, float, bool):
-                node.meta[SCALAR_META] = scalar
-        return GraphPickler.dumps(gm, Options(ops_filter=None))
-    finally:
-        for node, meta in zip(nodes, metas, strict=True):
-            node.meta = meta
-
-
-def _loads(data: bytes) -> torch.fx.GraphModule:
-    from torch._subclasses import FakeTensorMode
-    from torch.fx._graph_pickler import GraphPickler
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
-    gm.recompile()
-    return gm
-
-
-def _fake_values(gm: torch.fx.GraphModule, args: tuple[Any, ...], requires_grad: list[bool | None]) -> list[Any]:
-    """Records on each node of `gm` (and of the regions it calls) the fake value Dynamo recorded
-    when it traced, computed again from `args`; returns the fake inputs."""
-    from torch._subclasses import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-    mode = FakeTensorMode()
-    fakes = [mode.from_tensor(value) if isinstance(value, torch.Tensor) else value for value in args]
-    for fake, grad in zip(fakes, requires_grad, strict=True):
-        if isinstance(fake, torch.Tensor) and grad is not None and fake.requires_grad != grad:
-            fake.requires_grad_(grad)
-
-    class Propagation(FakeTensorProp):
-        def run_node(self, node: torch.fx.Node) -> Any:  # (a scalar read in the graph: the value Dynamo saw)
-            recorded = node.meta.get(SCALAR_META)
-            return recorded if recorded is not None else super().run_node(node)
-
-    def propagate(module: torch.fx.GraphModule, inputs: list[Any]) -> None:
-        Propagation(module, mode).propagate_dont_convert_inputs(*inputs)
-        for node, value in zip(module.graph.find_nodes(op="placeholder"), inputs, strict=True):
-            node.meta["val"] = value  # (the inputs themselves: FakeTensorProp records them without grad)
-        for node in module.graph.nodes:  # (under Dynamo's name too: AOTAutograd's cache looks for it)
-            if "val" in node.meta:
-                node.meta["example_value"] = node.meta["val"]
-
-    propagate(gm, fakes)
-    done = set()
-    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.invoke_subgraph):
-        subgraph, identifier, *operands = node.args
-        if identifier not in done:
-            done.add(identifier)
-            propagate(getattr(gm, subgraph.target),
-                      [operand.meta["val"] if isinstance(operand, torch.fx.Node) else operand for operand in operands])
-    return fakes
 
 
 def portable_guards(entries: list[Any]) -> list[bool]:
@@ -252,10 +124,12 @@ class PrecompiledFunction:
         note_cache_key(key)
         try:
             return compiled(model, *args, **kwargs)
-        except _NotReplayable as error:  # (its graph compiles on its first call)
+        except GraphNotReplayable as error:  # (its graph compiles on its first call)
             with self._lock:
                 self._functions = [function for function in self._functions if function[0] != key]
-                CompileCache().discard(key, str(error))
+                cache = CompileCache()
+                cache.discard(key, str(error))
+                _write_atomically(_unsaveable_note(cache, key), str(error))
                 return self._unsaveable(error, model, args, kwargs)
 
     def _unsaveable(self, error: Exception, model: torch.nn.Module, args: tuple[Any, ...],
@@ -263,7 +137,7 @@ class PrecompiledFunction:
         """From now on, `function` through plain `torch.compile` (traced in each process), with a warning."""
         warnings.warn(f"{self.function.__qualname__} cannot be saved for warm starts ({error}): it is traced "
                       "again in each process.", stacklevel=3)
-        self._unsaved = torch.compile(self.function, backend=_backend(self.backend), **self.options)
+        self._unsaved = torch.compile(self.function, backend=backend_named(self.backend), **self.options)
         return self._unsaved(model, *args, **kwargs)
 
     def _load_or_trace(self, model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -275,6 +149,9 @@ class PrecompiledFunction:
             raise _NotSaveable(f"the guards of a function traced here refuse a call it was traced for: "
                                f"{_refusal(compiled, model, args, kwargs)}")
         cache = CompileCache()
+        note = _unsaveable_note(cache, key)  # (why an earlier process could not save it)
+        if note.is_file():
+            raise _NotSaveable(f"{note.read_text()}; noted by an earlier run in {note}")
         traced: list[AOTCompiledFunction] = []
 
         def trace(folder: Path) -> dict[str, Any]:
@@ -283,6 +160,7 @@ class PrecompiledFunction:
                 with _importable_class(model, next(iter(inspect.signature(self.function).parameters))):
                     compiled = self._compiler.aot_compile(((model, *args), kwargs))
             except torch._dynamo.exc.PackageError as error:  # (its guards cannot be saved)
+                _release_guard_manager(error)
                 raise _NotSaveable(f"{type(error).__name__}: {first_line(error)}") from error
             except torch._dynamo.exc.TorchDynamoException:  # (Dynamo's own: the caller's to handle)
                 raise
@@ -298,7 +176,11 @@ class PrecompiledFunction:
             return {"kind": FUNCTION_KIND, "function": dependencies["function"]["name"],
                     "environment": dependencies["environment"], "modules": self._modules_referenced(compiled)}
 
-        entry, built = cache.get_or_build(key, trace)
+        try:
+            entry, built = cache.get_or_build(key, trace)
+        except _NotSaveable as error:  # (the next process compiles it unsaved at once: no trace lost)
+            _write_atomically(note, str(error))
+            raise
         if built:
             self._traced.add(key)
             _remember_slot(cache, dependencies, key)
@@ -327,7 +209,7 @@ class PrecompiledFunction:
         config = model.config.to_dict() if hasattr(model, "config") else {}
         for name in ("_name_or_path", "name_or_path", "transformers_version", "_commit_hash"):
             config.pop(name, None)
-        layout = [(name, tuple(tensor.shape), str(tensor.dtype), tensor.device.type)
+        layout = [(name, tuple(tensor.shape), str(tensor.dtype), tensor.device.type, tensor.requires_grad)
                   for name, tensor in (*model.named_parameters(), *model.named_buffers())]
         return {
             "function": {"name": f"{self.function.__module__}.{self.function.__qualname__}",
@@ -365,6 +247,20 @@ def _importable_class(model: torch.nn.Module, argument: str) -> Iterator[None]:
     finally:
         model.__class__ = cls
         _seen_as_base.pop(id(model), None)
+
+
+def _release_guard_manager(error: BaseException | None) -> None:
+    """Drops what a guard manager failing to save its guards holds (the traced model and inputs: device
+    memory): torch 2.13 raises before releasing them, and a weakref finalizer keeps the manager alive."""
+    while error is not None:
+        frame = error.__traceback__
+        while frame is not None:
+            manager = frame.tb_frame.f_locals.get("self")
+            if isinstance(manager, torch._dynamo.guards.CheckFunctionManager):
+                manager.output_graph = None
+                manager._weakrefs.clear()
+            frame = frame.tb_next
+        error = error.__cause__ or error.__context__
 
 
 def _importable(cls: type) -> bool:
@@ -430,10 +326,18 @@ def _changed_source(compiled: AOTCompiledFunction) -> str | None:
 
 def _remember_slot(cache: CompileCache, dependencies: dict[str, Any], key: str) -> None:
     """Notes which entry was saved last for this call, to name what changed when it is not used."""
-    path = cache.root / SLOTS_DIR / f"{_slot(dependencies)}.json"
+    _write_atomically(cache.root / SLOTS_DIR / f"{_slot(dependencies)}.json",
+                      json.dumps({"key": key, **dependencies}, sort_keys=True))
+
+
+def _unsaveable_note(cache: CompileCache, key: str) -> Path:
+    return cache.root / SLOTS_DIR / f"{key}.unsaveable"
+
+
+def _write_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     staged = path.with_suffix(f".{os.getpid()}.tmp")
-    staged.write_text(json.dumps({"key": key, **dependencies}, sort_keys=True))
+    staged.write_text(text)
     os.replace(staged, path)
 
 
