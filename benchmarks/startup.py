@@ -95,7 +95,9 @@ def run_phase(name: str, model: str | None, cache: Path, env: dict[str, str] | N
     wall = time.perf_counter() - began
     if done.returncode != 0:
         raise RuntimeError(f"phase {name!r} failed:\n{done.stderr[-3000:]}")
-    return {"wall_s": wall, **json.loads(done.stdout.strip().splitlines()[-1])}
+    figures = {"wall_s": wall, **json.loads(done.stdout.strip().splitlines()[-1])}
+    print(f"  {name}: {figures}", flush=True)  # (as it comes: the table follows the last phase)
+    return figures
 
 
 def serve_ready(model: str | None, cache: Path) -> float:
@@ -111,6 +113,7 @@ def serve_ready(model: str | None, cache: Path) -> float:
     process, seconds = start(command + ([model] if model else []), f"http://127.0.0.1:{port}",
                              cache.parent / "serve.log")
     stop(process)
+    print(f"  serve on {cache}: ready in {seconds:.1f} s", flush=True)
     return seconds
 
 
