@@ -153,22 +153,24 @@ class IndexedByRouting(torch.nn.Module):
         chosen = self.weights[self.router(x).argmax(-1)]
         return torch.einsum("bi,bio->bo", torch.special.zeta(x.abs() + 1.5, 2.0), chosen)
 
-model = IndexedByRouting().to("neuron")
-try:
-    torch.compile(model, backend="neuron", fullgraph=True, dynamic=False)(torch.randn(2, 8, device="neuron"))
-except Exception as error:
-    print(type(error).__name__, str(error))
+model, x = IndexedByRouting(), torch.randn(2, 8)
+expected = model(x)
+got = torch.compile(model.to("neuron"), backend="neuron", fullgraph=True, dynamic=False)(x.to("neuron"))
+torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)
+print("same as the CPU")
 """
 
 
-def test_a_graph_the_fx_partitioner_cannot_place_is_refused_with_the_nodes_named(tmp_path):
-    """An item taken from two nodes whose every user takes items of them (`weights[expert_ids]`)
-    sends torch.fx's partitioner into a loop without end; the split is refused instead."""
+def test_a_tensor_indexed_by_a_tensor_splits_with_the_cpu_output(tmp_path):
+    """A tensor indexed by a tensor, each used for indexing only (`weights[expert_ids]`; the server's
+    `hidden[:, last]`): as an `operator.getitem`, torch.fx's partitioner takes it for an item of
+    both and moves it back and forth without end (the memory limit ends that); it is split as the
+    op it is, and the output is the CPU's."""
     done = run_python(SHARED_ITEM_PROGRAM, env={CACHE_ENV: str(tmp_path)}, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "UnsupportedGraphError" in done.stdout and "cannot be split around them" in done.stdout
-    assert "node(s) chosen index one tensor by another" in done.stdout, done.stdout
-    assert "special_zeta" in done.stdout
+    assert "same as the CPU" in done.stdout
+    assert "graph split into 2 compiled pieces around 1 op" in done.stderr and "special_zeta" in done.stderr
+    assert "cannot be stored in the compile cache" not in done.stderr  # (AOTAutograd caches the method call)
 
 
 class CacheWriteThenRead(torch.nn.Module):

@@ -209,6 +209,22 @@ def _item_sources(node: torch.fx.Node) -> list[torch.fx.Node]:
             if all(user.op == "call_function" and user.target is operator.getitem for user in source.users)]
 
 
+def _index_by_tensors_as_calls(gm: torch.fx.GraphModule) -> None:
+    """Makes each tensor indexed by another tensor (`weights[expert_ids]`, `hidden[:, last]`) a method
+    call, `tensor.__getitem__(index)`, instead of `operator.getitem(tensor, index)` (the same op; a
+    method of a tensor, which AOTAutograd's cache accepts as it does `operator.getitem`). torch.fx's
+    partitioner takes every `operator.getitem` for an item of a tuple output and moves it to the
+    partition of the node it is taken from, once per pass until nothing moves: an item taken from two
+    such nodes (the indexed tensor and the index, each used for indexing only) moves back and forth
+    without end."""
+    changed = False
+    for node in gm.graph.nodes:
+        if len(_item_sources(node)) > 1 and isinstance(recorded_value(node.args[0]), torch.Tensor):
+            node.op, node.target, changed = "call_method", "__getitem__", True
+    if changed:
+        gm.recompile()
+
+
 def _cannot_split(listed: str, count: int, why: str) -> UnsupportedGraphError:
     return UnsupportedGraphError(
         f"This graph holds {count} node(s) TorchNeuron's compiler cannot take ({listed}), and it cannot be split "
@@ -281,11 +297,9 @@ def split(gm: torch.fx.GraphModule, unsupported: dict[torch.fx.Node, str],
             f"compiled region, or unset {DISABLE_GRAPH_SPLIT_ENV} to run them eagerly between compiled pieces."
         )
     listed = "; ".join(f"node {item.node} ({item.op}): {item.reason}" for item in fallback) or "none"
+    _index_by_tensors_as_calls(gm)
     shared_items = [node.name for node in gm.graph.nodes if len(_item_sources(node)) > 1]
     if shared_items:
-        # torch.fx's partitioner moves an item to the partition of the node it is taken from, once per
-        # pass until nothing moves: an item taken from two such nodes (`weights[expert_ids]`) moves back
-        # and forth without end.
         raise _cannot_split(listed, len(fallback), f"node(s) {', '.join(shared_items)} index one tensor by another, "
                                                    "which the torch.fx partitioner cannot place")
     unordered = _order_reads_after_writes(gm)

@@ -172,7 +172,8 @@ class LayerwiseCompiled:
                 with repeated_layers_as_regions(model):
                     return self._by_layer(model, *args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as error:  # (raised while tracing or compiling: nothing ran)
-                reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0]}"
+                cause = getattr(error, "inner_exception", None) or error  # (a backend's own error, not its wrapper)
+                reason = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0]}"
                 self._whole = self._compiled_whole()
                 result = self._whole(model, *args, **kwargs)  # (an error here is the model's own, not the regions')
                 self.whole_graph_reason = reason
