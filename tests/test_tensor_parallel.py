@@ -98,10 +98,10 @@ def test_every_architecture_fully_checked(two_ranks, four_ranks, world):
     expected = _checked(checks, "llama")
     assert {"logits", "compiled greedy tokens", "no compile after warm-up", "sampled tokens identical on every rank",
             "device memory is this rank's share plus the replicated tensors"} <= expected
-    for name in ARCHITECTURES if world == 2 else FOUR_RANK_ARCHITECTURES:
+    architectures = ARCHITECTURES if world == 2 else FOUR_RANK_ARCHITECTURES
+    for name in architectures:
         assert _checked(checks, name) == expected, name
-    assert {name for name in ARCHITECTURES if _checked(checks, name)} == set(
-        ARCHITECTURES if world == 2 else FOUR_RANK_ARCHITECTURES)
+    assert {name for name in ARCHITECTURES if _checked(checks, name)} == set(architectures)
 
 
 @pytest.mark.slow
