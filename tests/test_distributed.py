@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from optimum_neuron_torch.device.reference import distributed
 from optimum_neuron_torch.device.reference.distributed import BACKEND_NAME
 from optimum_neuron_torch.errors import CollectiveArgumentError
 from testing_utils import failures, launch, names, rank_checks, start_ranks
@@ -65,6 +66,25 @@ def test_a_group_of_one_in_process(tmp_path):
         with pytest.raises(CollectiveArgumentError, match=r"tensors\[0\] is on cpu"):
             dist.all_reduce(torch.ones(2))
         assert repr(dist.group.WORLD).startswith("ProcessGroupNeuron(rank=0, size=1")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_finished_collective_leaves_gloo_no_reference_to_its_tensors(tmp_path):
+    """Once `wait()` returns, this thread holds the only references to the host views gloo worked on:
+    gloo's worker freeing the last one would need the GIL, and at the interpreter's exit that aborts."""
+    dist.init_process_group("neuron", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        group, tensor = dist.group.WORLD, torch.arange(4.0, device="neuron")
+        works = [group.allreduce([tensor]), group.allgather([[torch.zeros(4, device="neuron")]], [tensor]),
+                 group.alltoall([torch.zeros(4, device="neuron")], [tensor])]
+        for work in works:
+            views = list(distributed._flatten(work._keep_alive))
+            assert views and any(view._use_count() > 1 for view in views)  # gloo's work holds them
+            work.wait()
+            assert [view._use_count() for view in views] == [1] * len(views)
+            assert work.is_completed() and work.is_success() and work.exception() is None and work.wait()
+        assert not distributed._ORPHANED_VIEWS
     finally:
         dist.destroy_process_group()
 

@@ -119,6 +119,8 @@ class _NeuronWork(Work):
         self._after = after  # what completes the op on the device once gloo is done (copies out)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        if self._inner is None:  # waited before
+            return True
         try:
             done = self._inner.wait(timeout) if timeout else self._inner.wait()
         except RuntimeError as error:
@@ -130,15 +132,17 @@ class _NeuronWork(Work):
         if self._after is not None:
             after, self._after = self._after, None
             after()
+        self._inner = None
+        _await_release(self._keep_alive)
 
     def is_completed(self) -> bool:
-        return self._inner.is_completed()
+        return self._inner is None or self._inner.is_completed()
 
     def is_success(self) -> bool:
-        return self._inner.is_success()
+        return self._inner is None or self._inner.is_success()
 
     def exception(self) -> Any:
-        return self._inner.exception()
+        return None if self._inner is None else self._inner.exception()
 
     def result(self) -> list[torch.Tensor]:
         return self._outputs
@@ -521,6 +525,41 @@ class ProcessGroupNeuron(ProcessGroup):
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Work:
         views = self._views("recv", "tensors", tensors)
         return self._run("recv from any rank", lambda: self._gloo.recv_anysource(views, tag), tensors, views)
+
+
+# Host views whose gloo work outlived the wait below: kept for the process's life rather than let
+# gloo's thread free them (see `_await_release`). Stays empty in practice.
+_ORPHANED_VIEWS: list[Any] = []
+_RELEASE_SECONDS = 5.0
+
+
+def _await_release(views: Any) -> None:
+    """Waits until gloo's worker thread has dropped its own references to the host views of a finished
+    op, so that the last reference to each is this process's Python one.
+
+    gloo's worker marks an op done and only then destroys it, with the tensors it holds. If Python has
+    dropped the views by then, the worker frees their Python objects, which needs the GIL: at the
+    interpreter's exit that kills the thread inside a destructor and aborts the process ("terminate
+    called without an active exception", seen once in 20 two-rank Trainer runs that ended without
+    `destroy_process_group`). The wait is usually nothing: the worker is done before `wait()` returns.
+    """
+    tensors = [tensor for tensor in _flatten(views)]
+    deadline = None
+    while any(tensor._use_count() > 1 for tensor in tensors):
+        if deadline is None:
+            deadline = time.monotonic() + _RELEASE_SECONDS
+        elif time.monotonic() > deadline:  # another holder (not gloo's): never freed on gloo's thread
+            _ORPHANED_VIEWS.append(tensors)
+            return
+        time.sleep(0)  # lets gloo's worker run
+
+
+def _flatten(views: Any) -> Iterable[torch.Tensor]:
+    if isinstance(views, torch.Tensor):
+        yield views
+    elif isinstance(views, (list, tuple)):
+        for view in views:
+            yield from _flatten(view)
 
 
 def _scale_in_place(views: list[torch.Tensor], factor: float | None) -> None:
