@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -121,4 +123,10 @@ def test_streams_and_events():
 
 def test_amp_dtypes():
     assert torch.bfloat16 in torch.neuron.get_amp_supported_dtype()
-    assert torch.get_autocast_dtype("neuron") == torch.bfloat16
+    # torch's default for a PrivateUse1 device, as TorchNeuron leaves it, in this thread and any other
+    assert torch.get_autocast_dtype("neuron") == torch.float16
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_autocast_dtype("neuron")))
+    thread.start()
+    thread.join()
+    assert seen == [torch.float16]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import random
 import string
+import threading
 import warnings
 
 import pytest
@@ -150,6 +151,31 @@ def test_warm_up_with_sampling_compiles_the_decode_steps_that_sample():
     assert len(model.neuron_generation.graph_plan(sampling=True)) == 3
     clear_counts()
     model.generate(prompt(5), max_new_tokens=6, do_sample=True, temperature=0.7, top_p=0.9)
+    assert graphs() == 0 and recompiles() == 0
+
+
+def test_threads_generating_on_one_model_at_once_get_what_each_gets_alone(llama):
+    """Four threads of a web app calling generate() on one model at once: each gets the tokens it gets
+    alone (the CPU's), on the warmed graphs. Before the calls were serialized, most answers differed."""
+    cpu, model = llama
+    prompts = [prompt(length, batch, seed=length) for length, batch in ((3, 1), (7, 1), (11, 4), (14, 1))]
+    expected = [cpu.generate(ids, max_new_tokens=12, **GREEDY).tolist() for ids in prompts]
+    clear_counts()
+    start, answers = threading.Barrier(len(prompts)), {}
+
+    def call(index: int) -> None:
+        start.wait()
+        for _ in range(2):
+            ids = prompts[index].to("neuron")
+            answers.setdefault(index, []).append(model.generate(ids, max_new_tokens=12, **GREEDY).cpu().tolist())
+
+    threads = [threading.Thread(target=call, args=(index,)) for index in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert {index: answers.get(index) for index in range(len(prompts))} == {
+        index: [tokens, tokens] for index, tokens in enumerate(expected)}
     assert graphs() == 0 and recompiles() == 0
 
 

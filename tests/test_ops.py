@@ -81,7 +81,7 @@ def test_mixed_scalars_and_cpu_scalar_tensors():
 
 def test_autocast_runs_matrix_products_in_bfloat16():
     a, b = torch.randn(8, 8, device="neuron"), torch.randn(8, 8, device="neuron")
-    with torch.autocast("neuron"):
+    with torch.autocast("neuron", dtype=torch.bfloat16):  # (Trainium's lower precision; the default is float16)
         product = a @ b
         normalized = torch.nn.functional.layer_norm(product, (8,))
     assert product.dtype == torch.bfloat16

@@ -141,11 +141,13 @@ def _without_current_device_index(code: str) -> str:
 
 
 def autocast_state() -> str:
-    """Whether autocast is on, and to which dtype, for the device and the CPU."""
+    """Whether autocast is on, and to which dtype, for the device and the CPU. The dtype of an autocast
+    that is off changes nothing traced, and is thread-local: a thread torch starts has the default."""
     states = []
     for device in ("neuron", "cpu"):
         try:
-            states.append(f"{device}:{torch.is_autocast_enabled(device)}:{torch.get_autocast_dtype(device)}")
+            on = torch.is_autocast_enabled(device)
+            states.append(f"{device}:{torch.get_autocast_dtype(device) if on else 'off'}")
         except RuntimeError:  # (a device type autocast does not know)
             states.append(f"{device}:unknown")
     return "autocast=" + ",".join(states)

@@ -27,6 +27,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -137,6 +138,9 @@ class CompiledGeneration:
         # Whether the cache's length reaches the model's code as a scalar rather than a tensor (see
         # `_scalar_cache_length`): set when a call found its tensor sizing the model's tensors.
         self.cache_length_as_scalar = False
+        # One call at a time: the caches, the call's shapes and sampling rows above are this object's,
+        # so a second thread's generate() waits for the first (calls batched together: issue 37's engine).
+        self._one_call = threading.RLock()
 
     @property
     def graph_budget(self) -> int:
@@ -347,7 +351,12 @@ class CompiledGeneration:
     def generate(self, transformers_generate: Callable[..., Any], inputs: torch.Tensor | None = None,
                  generation_config: GenerationConfig | None = None, **kwargs: Any) -> Any:
         """Transformers' `generate()` on bucketed shapes and compiled graphs, or unchanged (eager)
-        for what those cannot serve."""
+        for what those cannot serve. Calls from several threads run one after the other."""
+        with self._one_call:
+            return self._generate(transformers_generate, inputs, generation_config, **kwargs)
+
+    def _generate(self, transformers_generate: Callable[..., Any], inputs: torch.Tensor | None,
+                  generation_config: GenerationConfig | None, **kwargs: Any) -> Any:
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         config, _ = self.model._prepare_generation_config(generation_config, **kwargs)
         mesh = tensor_parallel_mesh(self.model)
@@ -556,6 +565,11 @@ class CompiledGeneration:
             elif graph.role == "sampling decode":
                 runs.append((graph.batch, shortest, (0, graph.context if windows else 0), True))
         token = pad_token_id(self.model.generation_config, self._vocab_size)
+        with self._one_call:  # (the floors below hold for these calls only)
+            self._precompile_runs(runs, token, show_progress)
+
+    def _precompile_runs(self, runs: list[tuple[int, int, tuple[int, int], bool]], token: int,
+                         show_progress: bool) -> None:
         for batch, length, floors, sampled in tqdm(runs, desc="Compiling neuron graphs", disable=not show_progress):
             ids = torch.full((batch, length), token, dtype=torch.long, device=self.model.device)
             # (2 new tokens: the prefill's and a decode step's; a sampled run cannot stop at EOS)

@@ -56,8 +56,8 @@ def activate() -> ReferenceState:
     torch_module._bind(extension)
     torch._register_device_module(DEVICE_NAME, torch_module)
     torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=True)
-    # Trainium's lower-precision dtype; torch.autocast("neuron", dtype=...) still overrides it.
-    torch.set_autocast_dtype(DEVICE_NAME, torch.bfloat16)
+    # (No default autocast dtype of its own: TorchNeuron sets none, so `torch.autocast("neuron")` takes
+    # torch's default for the device, float16, in every thread; Trainer's bf16 passes its dtype.)
 
     # Ops a backend implements run as themselves rather than decomposed, as on TorchNeuron.
     implemented = profile.native_ops if profile.native_ops is not None else shipped_op_list()
