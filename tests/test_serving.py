@@ -23,7 +23,8 @@ import uvicorn
 import optimum_neuron_torch as ont
 from optimum_neuron_torch.compiler import cache_stats
 from optimum_neuron_torch.serving.app import build_app
-from optimum_neuron_torch.serving.engine import ServingEngine
+from optimum_neuron_torch.serving.engine import Event, SamplingSettings, ServingEngine
+from optimum_neuron_torch.serving.engine import Request as EngineRequest
 from optimum_neuron_torch.serving.text import TextStream
 from testing_utils import free_port, launcher_environment
 from tiny_models import DECODER, TENSOR_PARALLEL_MODELS, tiny_tokenizer
@@ -241,6 +242,7 @@ def test_sampling_with_a_seed_does_not_depend_on_other_requests(server, client):
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"model": NAME, "messages": [{"role": "user", "content": "the cat " * 40}]}, "messages"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "seed": 2**70}, "seed"),
 ])
 def test_bad_requests_get_400_naming_the_field(server, body, param):
     _, url = server
@@ -286,6 +288,40 @@ def test_clients_that_disconnect_free_their_slots(server, client, cpu_model, tok
     # 20 requests of 100 tokens over 8 slots would take 250 steps; they left after a few each (the
     # bound leaves room for a loaded machine, whose event loop notices the disconnections late).
     assert engine.steps - steps < 125
+    assert torch.neuron.memory_allocated() == memory
+    prompt = tokenizer(QUESTIONS[5]).input_ids
+    assert client.completions.create(model=NAME, prompt=QUESTIONS[5], max_tokens=8, temperature=0).choices[0].text \
+        == expected(cpu_model, tokenizer, prompt, 8)[1]
+
+
+@pytest.mark.slow
+def test_a_request_that_fails_fails_alone_and_the_engine_serves_on(server, client, cpu_model, tokenizer, monkeypatch):
+    """A request the engine cannot prepare (a seed torch's generator refuses, given to the engine
+    directly), then a decode step that raises: each ends its own requests with an error naming what
+    failed, the slots and device memory come back, and the next request gets the CPU's answer."""
+    engine, _ = server
+    memory = torch.neuron.memory_allocated()
+    events: list[Event] = []
+    engine.submit(EngineRequest(tokenizer(QUESTIONS[1]).input_ids, 4, SamplingSettings(temperature=1.0, seed=2**70),
+                                [], events.append))
+    step, failed = engine._step, []
+
+    def failing_decode(*args, **kwargs):
+        if engine.cache.writes.slot is None and not failed:  # (the first decode step only)
+            failed.append(True)
+            raise RuntimeError("a decode step that fails")
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "_step", failing_decode)
+    engine.submit(EngineRequest(tokenizer(QUESTIONS[2]).input_ids, 4, SamplingSettings(), [], events.append))
+    deadline = time.monotonic() + 120
+    while len([event for event in events if event.finish_reason]) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [(event.finish_reason, event.completion_tokens) for event in events] == [
+        ("error", 0), (None, 1), ("error", 1)], events  # (the second had its prefill's token)
+    assert events[0].error.startswith("ValueError while preparing the request: Overflow")
+    assert events[2].error == "RuntimeError while running a decode step: a decode step that fails"
+    assert engine.alive and (engine.busy_slots, engine.waiting) == (0, 0)
     assert torch.neuron.memory_allocated() == memory
     prompt = tokenizer(QUESTIONS[5]).input_ids
     assert client.completions.create(model=NAME, prompt=QUESTIONS[5], max_tokens=8, temperature=0).choices[0].text \

@@ -267,7 +267,7 @@ async def _completion_chunks(events: AsyncIterator[Event], identity: str, create
 
 def _finish(event: Event) -> str:
     if event.finish_reason == "error":
-        raise RuntimeError("the serving engine failed during this request")
+        raise RuntimeError(f"the serving engine failed during this request: {event.error or 'the engine stopped'}")
     return event.finish_reason
 
 

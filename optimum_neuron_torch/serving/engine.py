@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -36,7 +37,13 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..compiler import regions
-from ..errors import InvalidRequestError, ServerBusyError
+from ..errors import (
+    CollectiveError,
+    InsufficientDeviceMemoryError,
+    InvalidRequestError,
+    RankFailedError,
+    ServerBusyError,
+)
 from ..generation.buckets import Buckets
 from ..generation.compiled_generation import COMPILE_CONFIG
 from ..generation.padding import pad_token_id
@@ -46,6 +53,10 @@ from .tensor_parallel import StepBroadcast
 from .text import TextStream
 
 logger = logging.getLogger(__name__)
+
+# What stops the engine rather than the requests at hand: the device's or the job's state (a rank of a
+# split model gone, device memory exhausted), which the next request would meet too.
+_ENGINE_FAILURES = (torch.OutOfMemoryError, InsufficientDeviceMemoryError, RankFailedError, CollectiveError)
 
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_QUEUE_SIZE_PER_SLOT = 4  # requests that may wait, per decode slot, before the server answers 429
@@ -83,6 +94,7 @@ class Event:
     text: str
     completion_tokens: int
     finish_reason: str | None = None
+    error: str | None = None  # (with finish_reason "error": what failed)
 
 
 @dataclass(eq=False)
@@ -312,7 +324,12 @@ class ServingEngine:
         it stops."""
         with self._compiling():
             while (call := self._broadcast.receive()) is not None:
-                self._run_step(*call)
+                try:
+                    self._run_step(*call)
+                except _ENGINE_FAILURES:
+                    raise
+                except Exception:  # (rank 0 met it too: the step's requests fail, the engine goes on)
+                    logger.exception("a step failed on this rank; the next one runs")
 
     @contextlib.contextmanager
     def _compiling(self) -> Iterator[None]:
@@ -359,12 +376,33 @@ class ServingEngine:
                 request._slot, self._slots[slot] = slot, request
                 admitted.append(request)
         for request in admitted:
-            self._prefill(request)
+            try:
+                self._prefill(request)
+            except _ENGINE_FAILURES:
+                raise
+            except Exception as error:  # (this request's own: it fails alone, the others go on)
+                self._fail([request], error, "preparing the request")
         self._release_finished()
         if any(self._slots):
-            self._decode()
+            try:
+                self._decode()
+            except _ENGINE_FAILURES:
+                raise
+            except Exception as error:  # (the requests of this step fail; the engine takes the next ones)
+                self._fail([request for request in self._slots if request], error, "running a decode step")
             self._release_finished()
         return True
+
+    def _fail(self, requests: list[Request], error: Exception, during: str) -> None:
+        """Ends `requests` with an error event naming `error`; they leave their slots."""
+        # (the traceback as text: a log record holding the error would hold its frames' device tensors)
+        logger.error("%d request(s) failed while %s:\n%s", len(requests), during,
+                     "".join(traceback.format_exception(error)).rstrip())
+        for request in requests:
+            if not request.cancelled:
+                self._emit(request, Event("", len(request.tokens), "error",
+                                          f"{type(error).__name__} while {during}: {error}"))
+            request.cancelled = True
 
     def _prefill(self, request: Request) -> None:
         request._text = TextStream(self.tokenizer, request.stop)
@@ -460,4 +498,4 @@ class ServingEngine:
             self._waiting.clear()
         for request in requests:
             if not request.cancelled:
-                self._emit(request, Event("", len(request.tokens), "error"))
+                self._emit(request, Event("", len(request.tokens), "error", f"the engine stopped: {self.failure!r}"))

@@ -62,7 +62,7 @@ class _GenerationRequest(_Strict):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # (a 64-bit integer, as vLLM takes)
     stop: str | list[str] | None = None
     n: int | None = Field(default=None, ge=1, le=1)  # (one choice per request)
     stream: bool | None = False
