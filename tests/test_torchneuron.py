@@ -317,6 +317,56 @@ def test_sharded_load_compiled_generate_pipeline_and_check(torchneuron, llama):
     assert out["backend"].startswith("torchneuron 2.13.3.0")
 
 
+@pytest.mark.slow
+def test_tensor_parallel_load_with_one_visible_core_per_rank(torchneuron, llama, tmp_path):
+    """The usual launch on Trn: each rank sees its own core only (NEURON_RT_VISIBLE_CORES), where
+    TorchNeuron's memory queries answer total_memory 0 from rank 1 on and memory_reserved 0. The
+    model loads split in two, each rank holds its share, and generates the CPU's tokens."""
+    prompt = [5, 17, 42, 9, 77, 3, 101]
+    expected = _cpu_greedy(llama, prompt, 6)
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent(
+        f"""
+        import os
+        os.environ["NEURON_RT_VISIBLE_CORES"] = os.environ["LOCAL_RANK"]  # (before `import torch` starts it)
+        import json, torch, torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+        import optimum_neuron_torch as ont
+
+        before = torch.neuron.memory_allocated()
+        model = ont.NeuronAutoModelForCausalLM.from_pretrained({str(llama)!r}, tp_size=2)
+        tensors = {{id(t): t for t in (*model.parameters(), *model.buffers())}}.values()
+        share = sum((t._local_tensor if isinstance(t, DTensor) else t).untyped_storage().nbytes() for t in tensors)
+        ids = torch.tensor([{prompt}])
+        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                                do_sample=False)
+        device = torch.neuron.current_device()
+        line = json.dumps({{"rank": dist.get_rank(), "device": device, "count": torch.neuron.device_count(),
+                           "total": torch.neuron.get_device_properties(device).total_memory,
+                           "reserved": torch.neuron.memory_reserved(), "share": share,
+                           "allocated": torch.neuron.memory_allocated() - before,
+                           "split": any(isinstance(t, DTensor) for t in tensors), "tokens": tokens[0].tolist(),
+                           "mem_get_info": ont.device.mem_get_info(), "in_use": torch.neuron.memory_allocated()}})
+        os.write(1, (line + "\\n").encode())
+        dist.destroy_process_group()
+        """
+    ))
+    result = torchneuron.run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(script), env={"TORCH_NEURONX_STANDIN_CORES": "2"}, timeout=600)
+    assert result.returncode == 0, result.stderr[-5000:]
+    ranks = sorted((json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")),
+                   key=lambda rank: rank["rank"])
+    assert [(rank["rank"], rank["device"], rank["count"], rank["reserved"]) for rank in ranks] == [(0, 0, 2, 0),
+                                                                                                 (1, 1, 2, 0)]
+    assert ranks[0]["total"] > 0 and ranks[1]["total"] == 0  # (TorchNeuron's answer from rank 1 on)
+    # free memory counts what tensors hold (TorchNeuron reserves nothing); unknown is (0, 0), not "full"
+    assert ranks[0]["mem_get_info"] == [ranks[0]["total"] - ranks[0]["in_use"], ranks[0]["total"]]
+    assert ranks[1]["mem_get_info"] == [0, 0]
+    for rank in ranks:
+        assert rank["split"] and rank["tokens"] == expected
+        assert rank["allocated"] >= rank["share"]  # (its share, plus what generation keeps: the cache)
+
+
 def machine(tmp_path: Path, name: str) -> dict[str, str]:
     """The environment of machine `name`: a NEFF cache and a compile cache of its own."""
     return {"TORCH_NEURONX_NEFF_CACHE_DIR": str(tmp_path / f"neff_{name}"),

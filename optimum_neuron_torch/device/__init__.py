@@ -183,13 +183,20 @@ def support_profile(name: str) -> Iterator[None]:
 
 
 def mem_get_info(device: torch.device | str | int | None = None) -> tuple[int, int]:
-    """(free, total) memory of a `neuron` device in bytes: its capacity less what the allocator holds.
+    """(free, total) memory of a `neuron` device in bytes: its capacity less what tensors and the
+    allocator's cache hold.
+
+    TorchNeuron's `memory_reserved()` is always 0 (it has no caching allocator), so what is allocated
+    counts too. Its `get_device_properties(i).total_memory` is 0 when the runtime cannot answer (from
+    the local rank 1 of a job on, it asks for a core by the wrong index): `(0, 0)` then means
+    "unknown", never "no memory".
 
     Args:
         device: a `neuron` device or its index (default: the current device).
 
     Returns:
-        `(free, total)`. On TorchNeuron, reading the capacity starts its runtime.
+        `(free, total)`, or `(0, 0)` when the backend does not know. On TorchNeuron, reading the
+        capacity starts its runtime.
 
     Example:
         >>> free, total = optimum_neuron_torch.device.mem_get_info()
@@ -202,7 +209,10 @@ def mem_get_info(device: torch.device | str | int | None = None) -> tuple[int, i
         device = torch.device(device)
         index = torch.neuron.current_device() if device.index is None else device.index
     total = torch.neuron.get_device_properties(index).total_memory
-    return max(total - torch.neuron.memory_reserved(index), 0), total
+    if not total:
+        return 0, 0
+    held = max(torch.neuron.memory_reserved(index), torch.neuron.memory_allocated(index))
+    return max(total - held, 0), total
 
 
 __all__ = [

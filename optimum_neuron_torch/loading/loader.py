@@ -135,6 +135,10 @@ def check_device_memory(model: PreTrainedModel, device: torch.device, name: str)
     """Refuses a model that cannot fit, before anything is loaded."""
     needed = _device_bytes(model)
     free, total = mem_get_info(device)
+    if not total:  # (the backend does not know this device's memory: nothing to check against)
+        logger.info("%s: the memory of %s is unknown to the backend (total_memory 0); the check that %s fits "
+                    "is skipped", name, device, _size(needed))
+        return
     if needed > free:  # the blocks the caching allocator keeps for reuse are free too: return them, and ask again
         torch.neuron.empty_cache()
         free, total = mem_get_info(device)

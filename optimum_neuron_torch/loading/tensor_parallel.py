@@ -81,8 +81,11 @@ def start(config: DistributedConfig) -> Any:
             f"tp_size={processes}."
         )
     if not dist.is_initialized():
-        torch.neuron.set_device(settings.launcher_local_rank())
+        # The group first: TorchNeuron's setup gives each process its core (NEURON_RT_VISIBLE_CORES) and
+        # numbers devices from the local rank; before it, a process launched with one visible core has
+        # device 0 only, and set_device(local_rank) fails on every rank but the first.
         dist.init_process_group("neuron", timeout=timedelta(seconds=settings.distributed_timeout()))
+        torch.neuron.set_device(settings.launcher_local_rank())
     _, _, mesh_manager = PreTrainedModel.prepare_distribute_model(config)
     return mesh_manager
 

@@ -46,9 +46,31 @@ _machine_cores = _runtime.machine_cores()
 _C = _runtime.load_extension(_config["extension"])  # the reference device, as TorchNeuron's `_C`
 
 
+# Set by the process group's setup, as TorchNeuron's `_set_local_world_size` and `_set_local_device_start_index`
+# (csrc/core/NeuronDevice.cpp): PyTorch's device index is then the local rank, and `device_count()` the
+# local world size, while the process drives one core (its VNC 0).
+_local_world_size = -1
+_local_device_start_index = -1
+
+
+def _vnc_count() -> int:
+    """The cores (VNCs) this process drives: the visible cores that exist (NeuronDevice.cpp `vnc_count`)."""
+    return _runtime.device_count(_machine_cores)
+
+
 def _refresh_device_count() -> None:
-    """Tells the extension how many devices this process sees (at least 1: it cannot have none)."""
-    _C.set_device_count(max(1, _runtime.device_count(_machine_cores)))
+    """Tells the extension how many devices this process addresses (at least 1: it cannot have none)."""
+    count = _local_world_size if _local_world_size != -1 else _vnc_count()  # (`device_count`, defined below)
+    _C.set_device_count(max(1, count))
+
+
+def _set_local_devices(local_world_size: int, start_index: int) -> None:
+    """What TorchNeuron's distributed setup does: device indices from `start_index` (the local rank),
+    `device_count()` the local world size, the current device the local rank."""
+    global _local_world_size, _local_device_start_index
+    _local_world_size, _local_device_start_index = local_world_size, start_index
+    _refresh_device_count()
+    _C.set_current_device(start_index)
 
 
 _refresh_device_count()
@@ -150,8 +172,9 @@ def is_neuron_runtime_initialized() -> bool:
 
 
 def device_count() -> int:
-    """NeuronCores this process sees (TORCH_NEURONX_STANDIN_CORES, NEURON_RT_VISIBLE_CORES). Starts nothing."""
-    return _runtime.device_count(_machine_cores)
+    """NeuronCores this process sees (TORCH_NEURONX_STANDIN_CORES, NEURON_RT_VISIBLE_CORES), or, once the
+    process group set it up, the local world size (NeuronDevice.cpp `device_count`). Starts nothing."""
+    return _local_world_size if _local_world_size != -1 else _vnc_count()
 
 
 def current_device() -> int:
@@ -160,9 +183,14 @@ def current_device() -> int:
 
 
 def set_device(device: int) -> None:
-    """Makes `device` (an index) the current device."""
+    """Makes `device` (an index) the current device: an index of this process's own cores only, from the
+    local rank on once the process group set it up (NeuronDevice.cpp `set_device`)."""
     if device < 0 or device >= device_count():
         raise ValueError(f"Invalid device id: {device}. Valid range is 0 to {device_count() - 1}")
+    start = max(_local_device_start_index, 0)
+    if device < start or device >= start + _vnc_count():
+        raise ValueError(f"Device index {device} is out of range. Valid range is {start} to "
+                         f"{start + _vnc_count() - 1} for this process")
     _C.set_current_device(device)
 
 
@@ -191,7 +219,10 @@ def get_device_properties(device) -> _DeviceProperties:
     if index < 0 or index >= device_count():
         raise ValueError(f"Invalid device id: {index}")
     _lazy_init()
-    return _DeviceProperties(_runtime.INSTANCE_TYPE, _C.capacity())
+    # TorchNeuron asks the runtime for the memory of VNC `index` (the PyTorch index, NeuronBindings.cpp
+    # `neuron_getDeviceProperties`): a process drives VNCs 0..vnc_count-1, so from the local rank 1 of a
+    # job on, the query fails and total_memory is 0 ("Falling back to total_memory=0").
+    return _DeviceProperties(_runtime.INSTANCE_TYPE, _C.capacity() if index < _vnc_count() else 0)
 
 
 def empty_cache() -> None:

@@ -58,9 +58,10 @@ def _neuron_runtime_setup(rank: int, size: int, store) -> None:
             store.set("NEURON_RT_PORT", str(_free_port()))
         port = store.get("NEURON_RT_PORT").decode()
         os.environ["NEURON_RT_ROOT_COMM_ID"] = f"{os.environ.get('MASTER_ADDR', 'localhost')}:{port}"
-    torch_neuronx._refresh_device_count()
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
     torch_neuronx._lazy_init()
-    assert torch_neuronx.device_count() == 1, "Attempted to have more than one device per process in distributed setup"
+    assert torch_neuronx._vnc_count() == 1, "Attempted to have more than one device per process in distributed setup"
+    torch_neuronx._set_local_devices(local_world_size, local_rank)
 
 
 def _done(result) -> dist.Work:

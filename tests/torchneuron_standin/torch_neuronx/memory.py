@@ -33,7 +33,8 @@ def memory_stats(device: int | torch.device | None = None) -> dict[str, Any]:
     flat = torch.accelerator.memory_stats(torch.device("neuron", _get_device_index(device)))
     return {
         "allocated_bytes": _stat(flat, "allocated_bytes"),
-        "reserved_bytes": _stat(flat, "reserved_bytes"),
+        # TorchNeuron never updates it (csrc/core/metrics/NeuronMetrics.h: "currently always 0, no caching")
+        "reserved_bytes": {field: 0 for field in ("current", "peak", "allocated", "freed")},
         "active_bytes": _stat(flat, "active_bytes"),
         "num_alloc_retries": int(flat.get("num_alloc_retries", 0)),
         "num_ooms": int(flat.get("num_ooms", 0)),
@@ -53,7 +54,7 @@ def max_memory_allocated(device: int | torch.device | None = None) -> int:
 
 
 def memory_reserved(device: int | torch.device | None = None) -> int:
-    """Bytes the allocator holds (no caching on the reference device: equal to allocated)."""
+    """Bytes held in the cache: always 0, as TorchNeuron's (memory.py: "caching is not implemented")."""
     return memory_stats(device)["reserved_bytes"]["current"]
 
 
