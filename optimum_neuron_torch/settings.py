@@ -42,11 +42,14 @@ DEVICE_COUNT_ENV = "OPTIMUM_NEURON_TORCH_DEVICE_COUNT"
 FALLBACK_COPY_ENV = "OPTIMUM_NEURON_TORCH_FALLBACK_COPY"
 API_KEY_ENV = "OPTIMUM_NEURON_TORCH_API_KEY"
 
-# Variables of PyTorch and TorchNeuron the library reads (never sets).
+# Variables of PyTorch and TorchNeuron the library reads (never sets, but for the one below).
 AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 NEFF_CACHE_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"
 NEFF_CACHE_DEFAULT = "/tmp/neff_cache"  # TorchNeuron's default
 CXX_ENV = "CXX"  # the C++ compiler (as for PyTorch's extension builder)
+# TorchNeuron's variable the library sets, under the `error` fallback policy only (the user's value
+# comes back when the policy changes): a graph that fails on the device raises instead of re-running eagerly.
+DISABLE_FALLBACK_EXECUTION_ENV = "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"
 # Set by torchrun (and other launchers) in each process: one neuron device per local rank.
 DISTRIBUTED_TIMEOUT_ENV = "OPTIMUM_NEURON_TORCH_DISTRIBUTED_TIMEOUT"
 # The launcher's (torchrun sets them for each rank)

@@ -534,6 +534,33 @@ def test_fallback_policy_on_torchneuron(torchneuron, launch_blocking):
     ]
 
 
+def test_a_graph_failing_on_the_device_runs_again_eagerly_unless_the_policy_is_error(torchneuron):
+    """TorchNeuron re-runs a compiled graph that fails on the device eagerly (a slow success); a user
+    who asked for `error` gets the failure instead, and their own setting back afterwards."""
+    result = torchneuron.python(
+        """
+        import os, torch, optimum_neuron_torch as ont
+
+        double = torch.compile(lambda x: x * 2 + 1, backend="neuron")
+        x = torch.ones(3, device="neuron")
+        print("warn:", double(x).cpu().tolist(), os.environ.get("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"))
+        with ont.fallback_policy("error"):
+            try:
+                double(x)
+                print("error: no error")
+            except RuntimeError as error:
+                print("error:", str(error).split(" (")[0], os.environ["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"])
+        print("after:", double(x).cpu().tolist(), os.environ.get("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"))
+        """,
+        env={"TORCH_NEURONX_STANDIN_FAIL_EXECUTION": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert result.stdout.splitlines() == ["warn: [3.0, 3.0, 3.0] None",
+                                          "error: NRT execution failed: NRT_EXEC_BAD_INPUT 1",
+                                          "after: [3.0, 3.0, 3.0] None"]
+    assert "Falling back to original GraphModule execution" in result.stderr
+
+
 def test_untested_torch_warns_once(monkeypatch):
     from optimum_neuron_torch.device import reference
 

@@ -14,18 +14,21 @@ after the fact, when the op has already run on the CPU:
 - `error`: entering `error` clears TorchNeuron's tracking (ops seen earlier count again); the tracker
   is read whenever a module starts or ends, and a fallback raises there, naming the module that ran
   it (the module that was running when the op ran: the one ending, or the one calling a submodule).
+  TorchNeuron's eager re-run of a compiled graph that fails on the device is turned off
+  (`TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1` while the policy is `error`): the failure raises.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import warnings
 from collections.abc import Iterator
 
 from ..device import backend_info, clear_op_tracking, fallback_mode, fallback_ops, set_fallback_mode
 from ..module_stack import ModuleStack, observing_modules
-from ..settings import FALLBACK_ENV
+from ..settings import DISABLE_FALLBACK_EXECUTION_ENV, FALLBACK_ENV
 from ..settings import fallback_mode as fallback_mode_at_start
 
 FALLBACK_MESSAGE = "fell back to CPU"
@@ -42,6 +45,7 @@ class _Policy:
         self._mode = ""  # none yet: entering the first one is a change
         self._observer: contextlib.ExitStack | None = None
         self._reported: set[str] = set()
+        self._user_execution_setting: str | None | bool = False  # (False: not replaced)
         self.set(fallback_mode_at_start())
 
     @property
@@ -52,6 +56,8 @@ class _Policy:
         set_fallback_mode(mode)  # validates it; the reference device applies it to every op call
         if mode == "error" and self._mode != "error" and not _on_reference():
             clear_op_tracking()  # TorchNeuron records an op once: one seen before must raise now
+        if not _on_reference():
+            self._fail_fast(mode == "error")
         self._mode = mode
         # The reference device needs the observer only to name the caller of a refused op;
         # TorchNeuron needs it to notice fallbacks at all.
@@ -63,6 +69,20 @@ class _Policy:
         elif not needed and self._observer is not None:
             self._observer.close()
             self._observer = None
+
+    def _fail_fast(self, on: bool) -> None:
+        """TorchNeuron runs a compiled graph that failed on the device again, eagerly, unless
+        `TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION` is set (read at each failure): on under `error`,
+        the user's own value back after."""
+        if on and self._user_execution_setting is False:
+            self._user_execution_setting = os.environ.get(DISABLE_FALLBACK_EXECUTION_ENV)
+            os.environ[DISABLE_FALLBACK_EXECUTION_ENV] = "1"
+        elif not on and self._user_execution_setting is not False:
+            if self._user_execution_setting is None:
+                os.environ.pop(DISABLE_FALLBACK_EXECUTION_ENV, None)
+            else:
+                os.environ[DISABLE_FALLBACK_EXECUTION_ENV] = self._user_execution_setting
+            self._user_execution_setting = False
 
     def _before_module(self, stack: ModuleStack) -> None:
         if _on_reference():

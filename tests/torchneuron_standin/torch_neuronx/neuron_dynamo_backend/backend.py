@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 
 import torch
@@ -28,6 +29,9 @@ from torch_neuronx.neuron_dynamo_backend.metrics import (
 logger = logging.getLogger(__name__)
 
 _stats = {"compiled": 0, "neff_cache_hits": 0}
+# Test-only knob: "1" makes every execution of a compiled graph fail on the (simulated) device.
+FAIL_EXECUTION_ENV = "TORCH_NEURONX_STANDIN_FAIL_EXECUTION"
+_TRUE = ("1", "true", "yes", "on")  # (TorchNeuron's `_getenv_bool`)
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -100,7 +104,21 @@ def _make_fw_compiler(options: dict):
                 torch_neuronx_compile_us=compile_us,
             )
         )
-        return make_boxed_func(gm.forward)
+        def execution_wrapper(*inputs):
+            """As TorchNeuron's (backend.py `execution_wrapper`): a graph that fails on the device runs
+            again eagerly, unless TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION is set (read at each failure)."""
+            try:
+                if os.environ.get(FAIL_EXECUTION_ENV, "") == "1":
+                    raise RuntimeError(f"NRT execution failed: NRT_EXEC_BAD_INPUT (stand-in: {FAIL_EXECUTION_ENV}=1)")
+                return gm.forward(*inputs)
+            except Exception as e:
+                if os.environ.get("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "").lower() in _TRUE:
+                    raise e from e
+                logger.error(f"Execution failed: {e}")
+                logger.warning("Falling back to original GraphModule execution")
+                return gm.forward(*inputs)
+
+        return make_boxed_func(execution_wrapper)
 
     return neuron_backend_fx_compiler
 
