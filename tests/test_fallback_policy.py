@@ -181,8 +181,10 @@ class Tracker:
     def __init__(self) -> None:
         self.ops: set[str] = set()
         self.clears = 0
+        self.reads: list[bool] = []  # (whether each read waited for queued work)
 
-    def fallback_ops(self) -> list[str]:
+    def fallback_ops(self, wait: bool = True) -> list[str]:
+        self.reads.append(wait)
         return sorted(self.ops)
 
     def clear_op_tracking(self) -> None:
@@ -302,9 +304,34 @@ def test_torchneuron_error_names_the_caller_of_a_submodule(torchneuron):
         Parent()(torch.ones(2))
 
 
-def test_torchneuron_warn_once_per_op_after_the_outermost_call(torchneuron):
+def test_torchneuron_default_warn_observes_only_the_models_the_library_loaded(torchneuron):
+    """By default nothing observes the process's modules (no global hook, no wait per call): a model
+    the library loaded warns after each call, reading the tracker without waiting for the device."""
+    from optimum_neuron_torch.fallbacks.policy import watch
+
+    make, tracker, model = torchneuron
+    modules = torch.nn.modules.module
+    hooks = len(modules._global_forward_pre_hooks), len(modules._global_forward_hooks)
+    make()
+    assert (len(modules._global_forward_pre_hooks), len(modules._global_forward_hooks)) == hooks
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.ones(2))  # not watched: nothing said
+        tracker.ops.clear()
+        watch(model)
+        model(torch.ones(2))
+        model(torch.ones(2))  # the same ops again: no new warning
+    assert [str(warning.message).split(";")[0] for warning in caught] == [
+        "Operator 'aten::argmax' fell back to CPU (during a call of 'Outer')",
+        "Operator 'aten::cumprod' fell back to CPU (during a call of 'Outer')",
+    ]
+    assert tracker.reads and not any(tracker.reads)  # never waited
+
+
+def test_torchneuron_warn_once_per_op_after_the_outermost_call(torchneuron, monkeypatch):
     make, tracker, model = torchneuron
     tracker.ops.add("aten::known")  # recorded before the policy existed: never warned
+    monkeypatch.setenv("OPTIMUM_NEURON_TORCH_FALLBACK", "warn")  # asked for: every module observed
     make()  # the policy under test (kept alive by the fixture's `created` list)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -323,8 +350,9 @@ def test_torchneuron_warn_once_per_op_after_the_outermost_call(torchneuron):
     assert tracker.clears == 0  # `warn` never clears what the user may read
 
 
-def test_torchneuron_warn_names_an_op_run_before_a_leaf_module_as_outside_any_module(torchneuron):
+def test_torchneuron_warn_names_an_op_run_before_a_leaf_module_as_outside_any_module(torchneuron, monkeypatch):
     make, tracker, _ = torchneuron
+    monkeypatch.setenv("OPTIMUM_NEURON_TORCH_FALLBACK", "warn")
     make()
     tracker.ops.add("aten::topk")  # before the call, outside any module
     with warnings.catch_warnings(record=True) as caught:

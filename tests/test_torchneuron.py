@@ -303,14 +303,20 @@ def test_sharded_load_compiled_generate_pipeline_and_check(torchneuron, llama):
                                  tokenizer=transformers.AutoTokenizer.from_pretrained({str(llama)!r}))
         text = generator("the capital of france is", max_new_tokens=4, do_sample=False)[0]["generated_text"]
         report = ont.check(model)
+        from torch.nn.modules import module as modules
+        from optimum_neuron_torch.fallbacks.policy import _after_model_call
+        hooks = {{"global": len(modules._global_forward_pre_hooks) + len(modules._global_forward_hooks),
+                  "model": [hook is _after_model_call for hook in model._forward_hooks.values()]}}
         print(json.dumps({{"devices": devices, "tokens": tokens[0].tolist(), "again": again[0].tolist(),
-                          "compiled": compiled, "recompiled": recompiled,
+                          "compiled": compiled, "recompiled": recompiled, "hooks": hooks,
                           "text": text, "backend": report.backend, "verdict": report.verdict}}))
         """
     )
     assert result.returncode == 0, result.stderr[-5000:]
     out = _last_json(result.stdout)
     assert out["devices"] == ["neuron:0"]
+    # no module of the process observed; the loaded model's fallbacks told after each call
+    assert out["hooks"] == {"global": 0, "model": [True]}
     assert out["tokens"] == expected == out["again"]
     assert out["compiled"] >= PROGRAMS and out["recompiled"] == 0  # prefill + decode, through TorchNeuron's backend
     assert out["text"].startswith("the capital of france is")
@@ -481,7 +487,7 @@ def test_fallback_policy_on_torchneuron(torchneuron, launch_blocking):
     # are recorded when they run.
     result = torchneuron.python(
         """
-        import warnings, torch, optimum_neuron_torch as ont
+        import os, warnings, torch, optimum_neuron_torch as ont
 
         class Head(torch.nn.Module):
             def forward(self, x):
@@ -494,13 +500,36 @@ def test_fallback_policy_on_torchneuron(torchneuron, launch_blocking):
             def forward(self, x):
                 return self.head(self.body(x))
 
+        from torch.nn.modules import module as modules
+        from optimum_neuron_torch.fallbacks.policy import watch
+
         net = Net().to("neuron")
+        # The default policy observes no module of the process (no global hooks, no wait per call)...
+        print("default hooks:", len(modules._global_forward_pre_hooks), len(modules._global_forward_hooks))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             x = torch.randn(2, 4, device="neuron")  # aten::normal_ falls back outside any module
-            net(x); net(x)  # warn: once per op
+            net(x)
+            print("default, a module of its own:", len([w for w in caught if "fell back" in str(w.message)]))
+            watch(net)  # ...but the models the library loads, after each call (here: a model it did not load)
+            net(x); net(x)
+            torch.neuron.synchronize()
+            net(x)  # (asynchronous: what was queued during a call is told after a later one)
+        print("default, watched:", [str(w.message).split(";")[0] for w in caught if "fell back" in str(w.message)])
+        class Roll(torch.nn.Module):
+            def forward(self, x):
+                return torch.roll(x, 1)  # not native either
+
+        ont.set_fallback_policy("warn")  # asked for: every module is observed
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            x = torch.sort(x)[0]  # outside any module
+            Roll()(x)
         print("warn:", [str(w.message).split(";")[0] for w in caught if "fell back" in str(w.message)])
         print("policy:", ont.get_fallback_policy(), "ops:", ont.fallback_ops())
+        if os.fork() == 0:  # a forked child cannot use the runtime: nothing observes its modules
+            os._exit(len(modules._global_forward_pre_hooks) + len(modules._global_forward_hooks))
+        print("forked child's hooks:", os.WEXITSTATUS(os.wait()[1]))
         with ont.fallback_policy("error"):
             for attempt in range(2):  # the op was seen under warn: it must raise all the same, each time
                 try:
@@ -522,9 +551,14 @@ def test_fallback_policy_on_torchneuron(torchneuron, launch_blocking):
     )
     assert result.returncode == 0, result.stderr[-5000:]
     assert result.stdout.splitlines() == [
-        ("warn: [\"Operator 'aten::normal_' fell back to CPU (outside any module)\", "
-         "\"Operator 'aten::argmax.out' fell back to CPU (during a call of 'Net')\"]"),
-        "policy: warn ops: ['aten::argmax.out', 'aten::normal_']",
+        "default hooks: 0 0",
+        "default, a module of its own: 0",
+        ("default, watched: [\"Operator 'aten::argmax.out' fell back to CPU (during a call of 'Net')\", "
+         "\"Operator 'aten::normal_' fell back to CPU (during a call of 'Net')\"]"),
+        ("warn: [\"Operator 'aten::sort.values_stable' fell back to CPU (outside any module)\", "
+         "\"Operator 'aten::roll' fell back to CPU (during a call of 'Roll')\"]"),
+        "policy: warn ops: ['aten::argmax.out', 'aten::normal_', 'aten::roll', 'aten::sort.values_stable']",
+        "forked child's hooks: 0",
         "error: Operator 'aten::argmax.out' fell back to CPU in module 'Net.head'",
         "error: Operator 'aten::argmax.out' fell back to CPU in module 'Net.head'",
         "error, native only: torch.Size([2, 4])",

@@ -56,9 +56,12 @@ def _wait_for_queued_ops() -> None:
         torch.neuron.synchronize()
 
 
-def fallback_ops() -> list[str]:
+def fallback_ops(wait: bool = True) -> list[str]:
     """Ops that fell back to the CPU since start or the last `clear_op_tracking()` (waiting for
     queued work first, so that TorchNeuron's asynchronous mode has recorded them).
+
+    Args:
+        wait: whether to wait for queued work first; without, an op still queued is not listed yet.
 
     Returns:
         Their ATen names, sorted, each once (`aten::argmax.out`, ...).
@@ -69,7 +72,8 @@ def fallback_ops() -> list[str]:
         >>> optimum_neuron_torch.fallback_ops()
         ['aten::argmax.out']
     """
-    _wait_for_queued_ops()
+    if wait:
+        _wait_for_queued_ops()
     return sorted(_tracker().get_fallback_ops())
 
 

@@ -8,9 +8,13 @@
 One policy holds for the process (`OPTIMUM_NEURON_TORCH_FALLBACK` sets it at start);
 `fallback_policy(mode)` changes it inside a block. The reference device applies it per call, before
 the op runs. TorchNeuron's fallback never reports itself and records each op name once, so the
-library reads TorchNeuron's tracker (`get_fallback_ops()`, after waiting for queued work) and acts
-after the fact, when the op has already run on the CPU:
-- `warn`: once per op, at the start and end of each outermost module call (two waits per model forward);
+library reads TorchNeuron's tracker (`get_fallback_ops()`) and acts after the fact, when the op has
+already run on the CPU:
+- `warn` by default: once per op, after each call of a model the library loaded (a forward hook of that
+  model; no wait for queued work: an op still queued is reported after a later call), so nothing
+  observes other modules and no model call waits; `fallback_ops()` lists everything. A policy set
+  explicitly (`OPTIMUM_NEURON_TORCH_FALLBACK=warn`, `set_fallback_policy("warn")`) observes every
+  module: at the start and end of each outermost module call, waiting for queued work;
 - `error`: entering `error` clears TorchNeuron's tracking (ops seen earlier count again); the tracker
   is read whenever a module starts or ends, and a fallback raises there, naming the module that ran
   it (the module that was running when the op ran: the one ending, or the one calling a submodule).
@@ -25,6 +29,8 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
+
+import torch
 
 from ..device import backend_info, clear_op_tracking, fallback_mode, fallback_ops, set_fallback_mode
 from ..module_stack import ModuleStack, observing_modules
@@ -43,30 +49,43 @@ class _Policy:
 
     def __init__(self) -> None:
         self._mode = ""  # none yet: entering the first one is a change
+        self.explicit = False  # set by the user (environment or call), not the default
         self._observer: contextlib.ExitStack | None = None
         self._reported: set[str] = set()
         self._user_execution_setting: str | None | bool = False  # (False: not replaced)
-        self.set(fallback_mode_at_start())
+        self.set(fallback_mode_at_start(), explicit=FALLBACK_ENV in os.environ)
+        # A child forked from this process cannot use TorchNeuron's runtime: its module calls (a
+        # DataLoader worker's transforms) must not read the device's tracker.
+        os.register_at_fork(after_in_child=self._stop_observing)
 
     @property
     def mode(self) -> str:
         return fallback_mode()
 
-    def set(self, mode: str) -> None:
+    def set(self, mode: str, explicit: bool = True) -> None:
         set_fallback_mode(mode)  # validates it; the reference device applies it to every op call
         if mode == "error" and self._mode != "error" and not _on_reference():
             clear_op_tracking()  # TorchNeuron records an op once: one seen before must raise now
         if not _on_reference():
             self._fail_fast(mode == "error")
-        self._mode = mode
+        self._mode, self.explicit = mode, explicit
         # The reference device needs the observer only to name the caller of a refused op;
-        # TorchNeuron needs it to notice fallbacks at all.
-        needed = mode == "error" or (mode == "warn" and not _on_reference())
+        # TorchNeuron needs it to notice fallbacks in every module (by default, `watch` covers the
+        # models the library loaded).
+        needed = mode == "error" or (mode == "warn" and explicit and not _on_reference())
         if needed and self._observer is None:
             self._observer = contextlib.ExitStack()
             self._observer.enter_context(observing_modules(self._before_module, self._after_module))
-            self._reported = set(fallback_ops())
-        elif not needed and self._observer is not None:
+            self._reported |= set(fallback_ops())
+        elif not needed:
+            self._stop_observing()
+
+    @property
+    def observing(self) -> bool:
+        return self._observer is not None
+
+    def _stop_observing(self) -> None:
+        if self._observer is not None:
             self._observer.close()
             self._observer = None
 
@@ -114,9 +133,9 @@ class _Policy:
                 "when this is raised (at the start or end of the module that ran it)."
             )
 
-    def _warn_new_fallbacks(self, module: str | None) -> None:
+    def _warn_new_fallbacks(self, module: str | None, wait: bool = True) -> None:
         """TorchNeuron, `warn`: one warning per op that entered its fallback tracker."""
-        new = [op for op in fallback_ops() if op not in self._reported]
+        new = [op for op in fallback_ops(wait=wait) if op not in self._reported]
         self._reported.update(new)
         for op in new:
             where = f"during a call of '{module}'" if module else "outside any module"
@@ -138,6 +157,24 @@ def _name_caller(module: str | None) -> None:
 
 
 _policy = _Policy()
+
+
+def watch(model: torch.nn.Module) -> None:
+    """Warns, after each call of `model` (a model the library loaded), of the ops that fell back to the
+    CPU for the first time, on TorchNeuron under the default `warn` policy (see the module's docstring).
+    A forward hook of `model` only: other modules are not observed, and no call waits for the device.
+
+    Args:
+        model: the model.
+    """
+    if not _on_reference():
+        model.register_forward_hook(_after_model_call)
+
+
+def _after_model_call(module: torch.nn.Module, args: object, output: object) -> None:
+    # (a module-level function: a model saved whole with torch.save still pickles)
+    if _policy.mode == "warn" and not _policy.observing and not torch.compiler.is_compiling():
+        _policy._warn_new_fallbacks(type(module).__name__, wait=False)
 
 
 def get_fallback_policy() -> str:
@@ -182,9 +219,9 @@ def fallback_policy(mode: str) -> Iterator[None]:
         >>> with optimum_neuron_torch.fallback_policy("error"):
         ...     model(**inputs)  # raises NotImplementedError naming the first op that falls back
     """
-    previous = get_fallback_policy()
+    previous, explicit = get_fallback_policy(), _policy.explicit
     set_fallback_policy(mode)
     try:
         yield
     finally:
-        set_fallback_policy(previous)
+        _policy.set(previous, explicit)

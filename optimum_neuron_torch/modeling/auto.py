@@ -21,6 +21,7 @@ from transformers import (
 )
 from transformers.distributed import DistributedConfig
 
+from ..fallbacks.policy import watch as watch_fallbacks
 from ..generation import enable_compiled_generation
 from ..loading import load_pretrained
 from ..patches import apply_patches
@@ -149,6 +150,7 @@ class _NeuronAutoMixin:
         )
         apply_patches(model, None if patches is True else () if patches is False else patches)
         if model.device.type == "neuron":
+            watch_fallbacks(model)  # (TorchNeuron, default policy: its fallbacks warned after each call)
             trainer_integration.enable()  # Trainer on `neuron` (see optimum_neuron_torch.training)
             save_random_ops_when_checkpointing(model)
             if cls.compiled_generation:
