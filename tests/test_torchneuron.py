@@ -595,6 +595,37 @@ def test_a_graph_failing_on_the_device_runs_again_eagerly_unless_the_policy_is_e
     assert "Falling back to original GraphModule execution" in result.stderr
 
 
+def test_error_policy_block_refuses_a_fallback_outside_any_module_or_in_compiled_code(torchneuron):
+    """TorchNeuron tells the library of a fallback only through its tracker, read at module boundaries:
+    a fallback no module's end saw (outside any module, in a compiled function) raises when the
+    `fallback_policy("error")` block ends, naming the op."""
+    result = torchneuron.python(
+        """
+        import torch, optimum_neuron_torch as ont
+
+        x = torch.arange(4.0, device="neuron")
+        rolled = torch.compile(lambda x: torch.roll(x, 1) * 2, backend="neuron")
+        rolled(x)  # compiled (and run) under `warn`
+        for name, code in (("outside", lambda: torch.roll(x, 1)), ("compiled", lambda: rolled(x)),
+                           ("native only", lambda: x * 2)):
+            try:
+                with ont.fallback_policy("error"):
+                    code()
+                print(name, "no error")
+            except NotImplementedError as error:
+                print(name, str(error).split(", and")[0])
+        print(ont.get_fallback_policy())
+        """
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert result.stdout.splitlines() == [
+        "outside Operator 'aten::roll' fell back to CPU in code outside any module (or in a compiled function)",
+        "compiled Operator 'aten::roll' fell back to CPU in code outside any module (or in a compiled function)",
+        "native only no error",
+        "warn",
+    ]
+
+
 def test_untested_torch_warns_once(monkeypatch):
     from optimum_neuron_torch.device import reference
 

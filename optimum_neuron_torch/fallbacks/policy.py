@@ -125,7 +125,7 @@ class _Policy:
         ops = fallback_ops()
         if ops:
             clear_op_tracking()
-            where = f"module '{module}'" if module else "code outside any module"
+            where = f"module '{module}'" if module else "code outside any module (or in a compiled function)"
             raise NotImplementedError(
                 f"Operator '{ops[0]}' {FALLBACK_MESSAGE} in {where}"
                 + (f" (also {', '.join(ops[1:])})" if len(ops) > 1 else "")
@@ -223,5 +223,7 @@ def fallback_policy(mode: str) -> Iterator[None]:
     set_fallback_policy(mode)
     try:
         yield
+        if mode == "error" and not _on_reference():
+            _policy._refuse_fallbacks(None)  # (TorchNeuron: what no module's end saw, outside any or compiled)
     finally:
         _policy.set(previous, explicit)
