@@ -129,6 +129,22 @@ def fallback_mode() -> str:
     return parse_choice(FALLBACK_ENV, FALLBACK_MODES, "warn")
 
 
+def fallback_mode_is_set() -> bool:
+    """Whether `OPTIMUM_NEURON_TORCH_FALLBACK` is set: the user chose the policy (not the default)."""
+    return FALLBACK_ENV in os.environ
+
+
+def replace_disable_fallback_execution(value: str | None) -> str | None:
+    """Sets TorchNeuron's `TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION` to `value` (None: unset), which
+    TorchNeuron reads at each failed execution of a compiled graph; returns the value it had."""
+    previous = os.environ.get(DISABLE_FALLBACK_EXECUTION_ENV)
+    if value is None:
+        os.environ.pop(DISABLE_FALLBACK_EXECUTION_ENV, None)
+    else:
+        os.environ[DISABLE_FALLBACK_EXECUTION_ENV] = value
+    return previous
+
+
 def serving_api_key() -> str | None:
     """`OPTIMUM_NEURON_TORCH_API_KEY`: the key clients of `optimum-cli neuron-torch serve` must send
     (None when unset or empty: no key). An environment variable keeps it out of the process list."""

@@ -34,7 +34,7 @@ import torch
 
 from ..device import backend_info, clear_op_tracking, fallback_mode, fallback_ops, set_fallback_mode
 from ..module_stack import ModuleStack, observing_modules
-from ..settings import DISABLE_FALLBACK_EXECUTION_ENV, FALLBACK_ENV
+from ..settings import FALLBACK_ENV, fallback_mode_is_set, replace_disable_fallback_execution
 from ..settings import fallback_mode as fallback_mode_at_start
 
 FALLBACK_MESSAGE = "fell back to CPU"
@@ -53,7 +53,7 @@ class _Policy:
         self._observer: contextlib.ExitStack | None = None
         self._reported: set[str] = set()
         self._user_execution_setting: str | None | bool = False  # (False: not replaced)
-        self.set(fallback_mode_at_start(), explicit=FALLBACK_ENV in os.environ)
+        self.set(fallback_mode_at_start(), explicit=fallback_mode_is_set())
         # A child forked from this process cannot use TorchNeuron's runtime: its module calls (a
         # DataLoader worker's transforms) must not read the device's tracker.
         os.register_at_fork(after_in_child=self._stop_observing)
@@ -94,13 +94,9 @@ class _Policy:
         `TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION` is set (read at each failure): on under `error`,
         the user's own value back after."""
         if on and self._user_execution_setting is False:
-            self._user_execution_setting = os.environ.get(DISABLE_FALLBACK_EXECUTION_ENV)
-            os.environ[DISABLE_FALLBACK_EXECUTION_ENV] = "1"
+            self._user_execution_setting = replace_disable_fallback_execution("1")
         elif not on and self._user_execution_setting is not False:
-            if self._user_execution_setting is None:
-                os.environ.pop(DISABLE_FALLBACK_EXECUTION_ENV, None)
-            else:
-                os.environ[DISABLE_FALLBACK_EXECUTION_ENV] = self._user_execution_setting
+            replace_disable_fallback_execution(self._user_execution_setting)
             self._user_execution_setting = False
 
     def _before_module(self, stack: ModuleStack) -> None:
