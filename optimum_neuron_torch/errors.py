@@ -140,6 +140,12 @@ class RankFailedError(NeuronTorchError, RuntimeError):
     a tensor-parallel model); the message names the rank and its error."""
 
 
+# The device's or the job's state, not one call's input (device memory exhausted, a rank of the job gone):
+# generation raises them rather than retrying eagerly, and the serving engine stops on them rather than
+# failing only the requests at hand, since the next call would meet them too.
+DEVICE_OR_JOB_FAILURES = (torch.OutOfMemoryError, InsufficientDeviceMemoryError, RankFailedError, CollectiveError)
+
+
 class InvalidRequestError(NeuronTorchError, ValueError):
     """A request to the server with a field it cannot take: `param` names the field (as the
     OpenAI API's error body does), the message says why and what would do."""

@@ -51,7 +51,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from ..compiler import regions
 from ..compiler.dynamo_backend import recording_cache_keys
-from ..errors import CollectiveError, InsufficientDeviceMemoryError, NeuronTorchError, RankFailedError, first_line
+from ..errors import DEVICE_OR_JOB_FAILURES, NeuronTorchError, first_line
 from .buckets import Buckets, PlannedGraph, compile_bill, graph_plan
 from .context_windows import ContextWindows
 from .interval_masks import for_graph, in_graph
@@ -377,7 +377,7 @@ class CompiledGeneration:
             call_kwargs = self._padded_call(input_ids, config, shapes, kwargs)
             with self._serving():
                 output = transformers_generate(generation_config=generation_config, **call_kwargs)
-        except (torch.OutOfMemoryError, InsufficientDeviceMemoryError, RankFailedError, CollectiveError):
+        except DEVICE_OR_JOB_FAILURES:
             raise  # the device's or the job's state, not the model's: eager generation would not do better
         except Exception as error:  # any failure of the compiled path: see `_degrade`
             streamer = call_kwargs.get("streamer")
@@ -566,19 +566,17 @@ class CompiledGeneration:
                 runs.append((graph.batch, shortest, (0, graph.context if windows else 0), True))
         token = pad_token_id(self.model.generation_config, self._vocab_size)
         with self._one_call:  # (the floors below hold for these calls only)
-            self._precompile_runs(runs, token, show_progress)
-
-    def _precompile_runs(self, runs: list[tuple[int, int, tuple[int, int], bool]], token: int,
-                         show_progress: bool) -> None:
-        for batch, length, floors, sampled in tqdm(runs, desc="Compiling neuron graphs", disable=not show_progress):
-            ids = torch.full((batch, length), token, dtype=torch.long, device=self.model.device)
-            # (2 new tokens: the prefill's and a decode step's; a sampled run cannot stop at EOS)
-            settings = dict(do_sample=True, eos_token_id=None) if sampled else dict(do_sample=False, min_new_tokens=2)
-            self._context_floors = floors
-            try:
-                self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, **settings)
-            finally:
-                self._context_floors = (0, 0)
+            for batch, length, floors, sampled in tqdm(runs, desc="Compiling neuron graphs",
+                                                       disable=not show_progress):
+                ids = torch.full((batch, length), token, dtype=torch.long, device=self.model.device)
+                # (2 new tokens: the prefill's and a decode step's; a sampled run cannot stop at EOS)
+                settings = (dict(do_sample=True, eos_token_id=None) if sampled
+                            else dict(do_sample=False, min_new_tokens=2))
+                self._context_floors = floors
+                try:
+                    self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, **settings)
+                finally:
+                    self._context_floors = (0, 0)
 
 
 def _why_no_static_cache(model: PreTrainedModel) -> tuple[str, str] | None:

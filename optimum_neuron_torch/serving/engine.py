@@ -37,13 +37,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..compiler import regions
-from ..errors import (
-    CollectiveError,
-    InsufficientDeviceMemoryError,
-    InvalidRequestError,
-    RankFailedError,
-    ServerBusyError,
-)
+from ..errors import DEVICE_OR_JOB_FAILURES, InvalidRequestError, ServerBusyError
 from ..generation.buckets import Buckets
 from ..generation.compiled_generation import COMPILE_CONFIG
 from ..generation.padding import pad_token_id
@@ -53,10 +47,6 @@ from .tensor_parallel import StepBroadcast
 from .text import TextStream
 
 logger = logging.getLogger(__name__)
-
-# What stops the engine rather than the requests at hand: the device's or the job's state (a rank of a
-# split model gone, device memory exhausted), which the next request would meet too.
-_ENGINE_FAILURES = (torch.OutOfMemoryError, InsufficientDeviceMemoryError, RankFailedError, CollectiveError)
 
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_QUEUE_SIZE_PER_SLOT = 4  # requests that may wait, per decode slot, before the server answers 429
@@ -326,7 +316,7 @@ class ServingEngine:
             while (call := self._broadcast.receive()) is not None:
                 try:
                     self._run_step(*call)
-                except _ENGINE_FAILURES:
+                except DEVICE_OR_JOB_FAILURES:
                     raise
                 except Exception:  # (rank 0 met it too: the step's requests fail, the engine goes on)
                     logger.exception("a step failed on this rank; the next one runs")
@@ -378,7 +368,7 @@ class ServingEngine:
         for request in admitted:
             try:
                 self._prefill(request)
-            except _ENGINE_FAILURES:
+            except DEVICE_OR_JOB_FAILURES:
                 raise
             except Exception as error:  # (this request's own: it fails alone, the others go on)
                 self._fail([request], error, "preparing the request")
@@ -386,7 +376,7 @@ class ServingEngine:
         if any(self._slots):
             try:
                 self._decode()
-            except _ENGINE_FAILURES:
+            except DEVICE_OR_JOB_FAILURES:
                 raise
             except Exception as error:  # (the requests of this step fail; the engine takes the next ones)
                 self._fail([request for request in self._slots if request], error, "running a decode step")

@@ -58,10 +58,14 @@ def _vnc_count() -> int:
     return _runtime.device_count(_machine_cores)
 
 
+def _addressable_devices() -> int:
+    """`device_count()`: the local world size once the process group set it up, else the VNCs (NeuronDevice.cpp)."""
+    return _local_world_size if _local_world_size != -1 else _vnc_count()
+
+
 def _refresh_device_count() -> None:
     """Tells the extension how many devices this process addresses (at least 1: it cannot have none)."""
-    count = _local_world_size if _local_world_size != -1 else _vnc_count()  # (`device_count`, defined below)
-    _C.set_device_count(max(1, count))
+    _C.set_device_count(max(1, _addressable_devices()))
 
 
 def _set_local_devices(local_world_size: int, start_index: int) -> None:
@@ -174,7 +178,7 @@ def is_neuron_runtime_initialized() -> bool:
 def device_count() -> int:
     """NeuronCores this process sees (TORCH_NEURONX_STANDIN_CORES, NEURON_RT_VISIBLE_CORES), or, once the
     process group set it up, the local world size (NeuronDevice.cpp `device_count`). Starts nothing."""
-    return _local_world_size if _local_world_size != -1 else _vnc_count()
+    return _addressable_devices()
 
 
 def current_device() -> int:
