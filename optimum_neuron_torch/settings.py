@@ -47,6 +47,7 @@ AUTOLOAD_ENV = "TORCH_DEVICE_BACKEND_AUTOLOAD"
 NEFF_CACHE_ENV = "TORCH_NEURONX_NEFF_CACHE_DIR"
 NEFF_CACHE_DEFAULT = "/tmp/neff_cache"  # TorchNeuron's default
 CXX_ENV = "CXX"  # the C++ compiler (as for PyTorch's extension builder)
+VISIBLE_CORES_ENV = "NEURON_RT_VISIBLE_CORES"  # the NeuronCores a process of TorchNeuron's runtime sees
 # TorchNeuron's variable the library sets, under the `error` fallback policy only (the user's value
 # comes back when the policy changes): a graph that fails on the device raises instead of re-running eagerly.
 DISABLE_FALLBACK_EXECUTION_ENV = "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"
@@ -192,6 +193,12 @@ def launcher_rank() -> int:
 def launcher_local_rank() -> int:
     """This process's rank on its host (`LOCAL_RANK`; 0 without a launcher)."""
     return int(os.environ.get(LOCAL_RANK_ENV, "0"))
+
+
+def visible_cores() -> str | None:
+    """The NeuronCores this process may use (`NEURON_RT_VISIBLE_CORES`, e.g. "0" or "0-3"), None when
+    not set (TorchNeuron's process group then gives each rank the core of its local rank)."""
+    return os.environ.get(VISIBLE_CORES_ENV)
 
 
 def launcher_world_size() -> int:

@@ -318,8 +318,10 @@ def program_dtensor() -> None:
     torch.manual_seed(1234)
     again = torch.distributed.tensor.rand((8, 6), device_mesh=mesh, placements=[Shard(0)]).full_tensor()
     check("DTensor rand reproducible under a seed", again, first)
+    # As on TorchNeuron: the op draws from the CPU generator (see tests/test_rng.py), which DTensor's offsets
+    # do not move, so under one seed every rank's shard holds the same numbers.
     shards = first.chunk(WORLD)
-    check("DTensor rand shards differ", any(not torch.equal(shards[0], s) for s in shards[1:]), True)
+    check("DTensor rand shards equal, as on TorchNeuron", all(torch.equal(shards[0], s) for s in shards[1:]), True)
     torch.manual_seed(99)
     replicated = torch.distributed.tensor.rand((4,), device_mesh=mesh, placements=[Replicate()]).to_local()
     gathered = [None] * WORLD

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -189,6 +190,39 @@ def test_graphs_saved_in_another_environment_are_recompiled_with_a_message(saved
                       match=r"compiled in another environment \(.*torch: saved '1.0.0'.*compiled again on first use"):
         model = NeuronAutoModelForCausalLM.from_pretrained(folder)
     assert model.neuron_generation.buckets.prompt_buckets == (16,)
+
+
+def test_graphs_saved_by_another_release_of_the_library_load_without_a_message(saved_llama, tmp_path):
+    """A release that leaves the code generation alone keeps every saved graph (the environment names
+    what changes a graph, not the library's version)."""
+    from optimum_neuron_torch.compiler.artifact import compile_environment
+
+    folder = tmp_path / "model"
+    shutil.copytree(saved_llama, folder)
+    spec = {"buckets": {"batch_sizes": [1], "prompt_buckets": [16], "max_length": 64}, "compile_config": {},
+            "environment": {**compile_environment(), "optimum_neuron_torch": "0.0.1"}, "graphs": []}
+    (folder / "neuron_generation.json").write_text(json.dumps(spec))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*another environment")
+        NeuronAutoModelForCausalLM.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("listing, same", [
+    ("  -march=  znver3\n  -mavx2  [enabled]\n  -mavx512f  [enabled]\n  -mamx-tile  [disabled]\n", True),
+    ("  -march=  znver3\n  -mavx2  [enabled]\n  -mavx512f  [enabled]\n  -mamx-tile  [enabled]\n", False),
+    ("  -march=  znver4\n  -mavx2  [enabled]\n  -mavx512f  [enabled]\n  -mamx-tile  [disabled]\n", False),
+], ids=["an unused flag differs", "an instruction set differs", "the architecture differs"])
+def test_the_cpu_counts_by_the_instruction_sets_its_kernels_are_built_for(tmp_path, listing, same):
+    from optimum_neuron_torch.compiler.artifact import _native_target
+
+    def compiler(name: str, text: str) -> str:
+        path = tmp_path / name
+        path.write_text(f"#!/bin/sh\nprintf '%s' '{text}'\n")
+        path.chmod(0o755)
+        return str(path)
+    base = "  -march=  znver3\n  -mavx2  [enabled]\n  -mavx512f  [enabled]\n  -mhle  [disabled]\n"
+    assert (_native_target(compiler("a", base)) == _native_target(compiler("b", listing))) is same
+    assert len({_native_target(compiler("a", base)), _native_target(str(tmp_path / "absent"))}) == 2
 
 
 def test_cli_lists_reports_and_clears_the_cache(filled_cache, tmp_path):

@@ -89,25 +89,6 @@ def test_a_finished_collective_leaves_gloo_no_reference_to_its_tensors(tmp_path)
         dist.destroy_process_group()
 
 
-def test_rng_state_has_torchneuron_format():
-    torch.neuron.manual_seed(77)
-    state = torch.neuron.get_rng_state()
-    assert state.dtype == torch.uint8 and state.numel() == 16
-    assert state[:8].view(torch.int64).item() == 77 and state[8:].view(torch.int64).item() == 0
-    torch.rand(3, device="neuron")
-    assert torch.neuron.get_rng_state()[8:].view(torch.int64).item() > 0  # the offset moved on
-    moved = state.clone()
-    moved[8:] = torch.tensor([400], dtype=torch.int64).view(torch.uint8)
-    torch.neuron.set_rng_state(moved)
-    a = torch.rand(5, device="neuron").cpu()
-    torch.neuron.set_rng_state(moved)
-    assert torch.equal(torch.rand(5, device="neuron").cpu(), a)  # (seed, offset) decides the draw
-    torch.neuron.set_rng_state(state)
-    assert not torch.equal(torch.rand(5, device="neuron").cpu(), a)
-    with pytest.raises(RuntimeError, match="16 bytes"):
-        torch.neuron.set_rng_state(torch.zeros(5056, dtype=torch.uint8))
-
-
 # ---- two and four processes ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("program", ["device", "collectives", "argument_errors", "dtensor", "ddp", "fsdp", "compiled"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -159,6 +160,22 @@ except Exception as error:
 """
 
 
+def test_the_standin_s_own_helpers_are_misses_for_the_library(torchneuron, tmp_path):
+    """Names the stand-in has beyond TorchNeuron's exist only here: the library's lookup of one counts as a
+    miss, as a name missing altogether does; TorchNeuron's own names, private ones included, do not."""
+    probe = tmp_path / "optimum_neuron_torch" / "probe.py"  # (lookups from the library's files count)
+    probe.parent.mkdir()
+    probe.write_text("import torch, torch_neuronx\n"
+                     "torch_neuronx._lazy_init, torch_neuronx.get_fallback_ops, torch.neuron.manual_seed\n"
+                     "torch_neuronx._vnc_count, hasattr(torch.neuron, '_recorded_ops'), hasattr(torch_neuronx, 'x')\n")
+    full, misses = torchneuron.environment(None)
+    result = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=full, timeout=300,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    assert misses.read_text().split() == ["torch_neuronx._vnc_count", "torch_neuronx.neuron._recorded_ops",
+                                          "torch_neuronx.x"]
+
+
 def test_autoloaded_torchneuron_is_detected_and_its_runtime_is_not_started(torchneuron):
     result = torchneuron.python(
         """
@@ -180,6 +197,12 @@ def test_autoloaded_torchneuron_is_detected_and_its_runtime_is_not_started(torch
         print("child after import:", child_uses_device())
         print("memory:", info.device_memory > 0, torch.neuron.is_initialized())
         print("child after the runtime started:", child_uses_device())
+        torch.manual_seed(5)
+        ones = torch.ones(64, device="neuron")
+        drawn = torch.rand(4, device="neuron").cpu(), torch.nn.functional.dropout(ones).cpu()
+        torch.manual_seed(5)
+        print("random ops and dropout draw from the CPU generator:", torch.equal(drawn[0], torch.rand(4)),
+              torch.equal(drawn[1], torch.bernoulli(torch.empty(64, dtype=torch.bool), 0.5) * 2.0))
         """
     )
     assert result.returncode == 0, result.stderr
@@ -187,7 +210,8 @@ def test_autoloaded_torchneuron_is_detected_and_its_runtime_is_not_started(torch
     assert lines[0] == "torchneuron 2.13.3.0 torch_neuronx.neuron True"
     # the stand-in refuses a fork after start, as TorchNeuron
     assert lines[1:] == ["initialized after import: False", "child after import: 0", "memory: True True",
-                         "child after the runtime started: 3"]
+                         "child after the runtime started: 3",
+                         "random ops and dropout draw from the CPU generator: True True"]
 
 
 def test_xla_era_torch_neuronx_falls_back_to_the_reference_device_with_one_warning(tmp_path):
@@ -287,7 +311,7 @@ def test_sharded_load_compiled_generate_pipeline_and_check(torchneuron, llama):
     expected = _cpu_greedy(llama, prompt, 8)
     result = torchneuron.python(
         f"""
-        import json, torch, transformers, optimum_neuron_torch as ont
+        import json, os, torch, transformers, optimum_neuron_torch as ont
         from torch_neuronx.neuron_dynamo_backend import backend
 
         model = ont.NeuronAutoModelForCausalLM.from_pretrained({str(llama)!r})
@@ -309,12 +333,19 @@ def test_sharded_load_compiled_generate_pipeline_and_check(torchneuron, llama):
                   "model": [hook is _after_model_call for hook in model._forward_hooks.values()]}}
         print(json.dumps({{"devices": devices, "tokens": tokens[0].tolist(), "again": again[0].tolist(),
                           "compiled": compiled, "recompiled": recompiled, "hooks": hooks,
-                          "text": text, "backend": report.backend, "verdict": report.verdict}}))
+                          "text": text, "backend": report.backend, "verdict": report.verdict,
+                          "stablehlo": report.stablehlo, "compile_error": report.compile_error,
+                          "disable_fallback_execution": os.environ.get("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION")}}))
         """
     )
     assert result.returncode == 0, result.stderr[-5000:]
     out = _last_json(result.stdout)
     assert out["devices"] == ["neuron:0"]
+    # check() reports TorchNeuron's own lowering and compile of the graphs (the library's Torch-MLIR is not its)
+    assert out["compile_error"] is None
+    assert re.fullmatch(r"([1-9]\d*) of \1 compiled graph\(s\) lowered to StableHLO and compiled by TorchNeuron",
+                        out["stablehlo"]), out["stablehlo"]
+    assert out["disable_fallback_execution"] is None  # (set during the check only)
     # no module of the process observed; the loaded model's fallbacks told after each call
     assert out["hooks"] == {"global": 0, "model": [True]}
     assert out["tokens"] == expected == out["again"]
@@ -371,6 +402,23 @@ def test_tensor_parallel_load_with_one_visible_core_per_rank(torchneuron, llama,
     for rank in ranks:
         assert rank["split"] and rank["tokens"] == expected
         assert rank["allocated"] >= rank["share"]  # (its share, plus what generation keeps: the cache)
+
+
+@pytest.mark.slow
+def test_ranks_that_cannot_have_a_core_each_fail_naming_rank_variable_and_fix(torchneuron, llama, tmp_path):
+    """Two cores visible to every rank (a launch that forgot the per-rank NEURON_RT_VISIBLE_CORES): TorchNeuron's
+    process-group setup refuses; every rank fails at once, naming itself, the variable and the fix."""
+    script = tmp_path / "ranks.py"
+    script.write_text(f"import optimum_neuron_torch as ont\n"
+                      f"ont.NeuronAutoModelForCausalLM.from_pretrained({str(llama)!r}, tp_size=2)\n")
+    result = torchneuron.run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(script), env={"TORCH_NEURONX_STANDIN_CORES": "2", "NEURON_RT_VISIBLE_CORES": "0-1"},
+                             timeout=300)
+    assert result.returncode != 0
+    for rank in (0, 1):
+        assert (f"ConfigurationError: rank {rank} (local rank {rank}) cannot have a NeuronCore of its own: "
+                f"AssertionError: Attempted to have more than one device per process") in result.stderr
+    assert result.stderr.count("NEURON_RT_VISIBLE_CORES='0-1'. Launch one process per core") >= 2
 
 
 def machine(tmp_path: Path, name: str) -> dict[str, str]:
@@ -570,7 +618,8 @@ def test_fallback_policy_on_torchneuron(torchneuron, launch_blocking):
 
 def test_a_graph_failing_on_the_device_runs_again_eagerly_unless_the_policy_is_error(torchneuron):
     """TorchNeuron re-runs a compiled graph that fails on the device eagerly (a slow success); a user
-    who asked for `error` gets the failure instead, and their own setting back afterwards."""
+    who asked for `error` gets the failure instead, and their own setting back afterwards; `check()`
+    reports the failure too."""
     result = torchneuron.python(
         """
         import os, torch, optimum_neuron_torch as ont
@@ -585,13 +634,17 @@ def test_a_graph_failing_on_the_device_runs_again_eagerly_unless_the_policy_is_e
             except RuntimeError as error:
                 print("error:", str(error).split(" (")[0], os.environ["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"])
         print("after:", double(x).cpu().tolist(), os.environ.get("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"))
+        report = ont.check(torch.nn.Linear(3, 3), (torch.ones(2, 3),))  # (check() reports it too)
+        print("check:", report.compile_error.startswith("RuntimeError: NRT execution failed"),
+              os.environ.get("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"))
         """,
         env={"TORCH_NEURONX_STANDIN_FAIL_EXECUTION": "1"},
     )
     assert result.returncode == 0, result.stderr[-5000:]
     assert result.stdout.splitlines() == ["warn: [3.0, 3.0, 3.0] None",
                                           "error: NRT execution failed: NRT_EXEC_BAD_INPUT 1",
-                                          "after: [3.0, 3.0, 3.0] None"]
+                                          "after: [3.0, 3.0, 3.0] None",
+                                          "check: True None"]
     assert "Falling back to original GraphModule execution" in result.stderr
 
 
@@ -635,13 +688,20 @@ def test_untested_torch_warns_once(monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_standin_neuron_process_group_runs_collectives_across_processes(torchneuron, tmp_path):
-    # The `neuron` c10d backend that multi-core code meets on TorchNeuron: two ranks under torchrun, one core each.
+def test_the_standin_neuron_process_group_runs_collectives_and_the_library_s_messages_compile_none(
+        torchneuron, tmp_path):
+    """The `neuron` c10d backend that multi-core code meets on TorchNeuron: two ranks under torchrun, one core
+    each. Each collective there is a program compiled for its shapes; the library's own messages between ranks
+    (pickled objects of any size) go over gloo and compile none."""
     script = tmp_path / "ranks.py"
     script.write_text(textwrap.dedent(
         """
         import os, torch, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch_neuronx.distributed import _compiled_collectives
         import optimum_neuron_torch as ont
+        from optimum_neuron_torch.generation.tensor_parallel import gather_keys, share_random_state
+        from optimum_neuron_torch.loading.tensor_parallel import agree
 
         dist.init_process_group()  # no backend named: `neuron` for the neuron device
         rank = dist.get_rank()
@@ -649,8 +709,15 @@ def test_the_standin_neuron_process_group_runs_collectives_across_processes(torc
         dist.all_reduce(x)
         gathered = torch.empty(6, device="neuron")
         dist.all_gather_into_tensor(gathered, torch.arange(3.0, device="neuron") + 10 * rank)
+        before = len(_compiled_collectives)
+        mesh = init_device_mesh("neuron", (2,))
+        keys = [gather_keys(mesh, {"k" * (rank + 1) * size}) for size in (1, 10, 100)]
+        agree("loading", None)
+        torch.manual_seed(rank)
+        share_random_state(mesh)
         line = (f"{rank} {ont.backend_info().name} {dist.get_default_backend_for_device('neuron')} "
-                f"{torch.neuron.get_device_name(0)} {x.cpu().tolist()} {gathered.cpu().tolist()}\\n")
+                f"{torch.neuron.get_device_name(0)} {x.cpu().tolist()} {gathered.cpu().tolist()} "
+                f"{before} {len(_compiled_collectives) - before} {[len(k) for k in keys]} {torch.rand(1).item()}\\n")
         os.write(1, line.encode())  # one write: the two ranks share stdout
         dist.destroy_process_group()
         """
@@ -659,5 +726,7 @@ def test_the_standin_neuron_process_group_runs_collectives_across_processes(torc
                              str(script), env={"TORCH_NEURONX_STANDIN_CORES": "2"}, timeout=300)
     assert result.returncode == 0, result.stderr[-5000:]
     lines = sorted(result.stdout.strip().splitlines())
-    assert lines == [f"{rank} torchneuron neuron neuron:0 [3.0, 3.0, 3.0] [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]"
-                     for rank in (0, 1)]
+    assert len({line.split()[-1] for line in lines}) == 1  # rank 1 draws what rank 0 draws
+    assert [line.rsplit(" ", 1)[0] for line in lines] == [
+        f"{rank} torchneuron neuron neuron:0 [3.0, 3.0, 3.0] [0.0, 1.0, 2.0, 10.0, 11.0, 12.0] 2 0 [2, 2, 2]"
+        for rank in (0, 1)]

@@ -26,6 +26,7 @@ from ..fallbacks import fallback_policy
 from ..loading import resolve_checkpoint
 from ..module_stack import ModuleStack, observing_modules
 from ..patches import PATCHES, patched, patches_for
+from ..settings import replace_disable_fallback_execution
 from .report import AppliedPatch, CompatibilityReport, DtypeUse, DynamicShapeOp, GraphBreak, OpFallback, UnloweredOp
 
 OUTSIDE_MODULES = "<outside any module>"
@@ -163,7 +164,8 @@ def _compiled_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityR
     report.graph_count = explanation.graph_count
     report.graph_breaks = _graph_breaks(explanation)
     torch._dynamo.reset()
-    with recording_cache_keys() as keys, recording_partitions() as partitions, torch.no_grad():
+    with (recording_cache_keys() as keys, recording_partitions() as partitions, torch.no_grad(),
+          _torchneuron_graphs() as received):
         try:
             torch.compile(model, backend="neuron", fullgraph=not report.graph_breaks)(*inputs[0], **inputs[1])
         except Exception as error:  # the report names the failure (the backend's own, not Dynamo's wrapper)
@@ -172,12 +174,40 @@ def _compiled_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityR
     torch._dynamo.reset()
     for partition in partitions:
         report.unlowered_ops += [UnloweredOp(node.op, node.reason) for node in partition.fallback_nodes]
-    if stablehlo.available():
+    if received is not None:
+        report.stablehlo = _torchneuron_lowering(received, report.compile_error)
+    elif stablehlo.available():
         statuses = [entry.metadata.get("stablehlo", artifact.LOWERS) for entry in map(CompileCache().get, sorted(keys))
                     if entry]
         failed = [status for status in statuses if artifact.lowering_failed(status)]
         report.unlowered_ops += [UnloweredOp("graph", status) for status in failed]
         report.stablehlo = f"{len(statuses) - len(failed)} of {len(statuses)} compiled graph(s) lower to StableHLO"
+
+
+@contextlib.contextmanager
+def _torchneuron_graphs() -> Iterator[list[int] | None]:
+    """On TorchNeuron (None elsewhere): a list that holds, after the block, the number of graphs its
+    `neuron` backend received in it (it records one compilation entry per graph). In the block, a
+    compiled graph that fails on the device raises, instead of TorchNeuron re-running it eagerly."""
+    if backend_info().name != "torchneuron":
+        yield None
+        return
+    received: list[int] = []
+    before = len(torch.neuron.get_dynamo_metrics())
+    user_setting = replace_disable_fallback_execution("1")
+    try:
+        yield received
+    finally:
+        replace_disable_fallback_execution(user_setting)
+        received.append(len(torch.neuron.get_dynamo_metrics()) - before)
+
+
+def _torchneuron_lowering(received: list[int], compile_error: str | None) -> str:
+    """What TorchNeuron's own compile of the graphs says of their lowering to StableHLO: it lowers each
+    graph it receives (with its fork of Torch-MLIR) and compiles it, so a graph that compiled lowered."""
+    if compile_error is not None:
+        return f"TorchNeuron did not compile every graph: see the compile error ({received[0]} graph(s) received)"
+    return f"{received[0]} of {received[0]} compiled graph(s) lowered to StableHLO and compiled by TorchNeuron"
 
 
 def _with_labels(model: torch.nn.Module, inputs: Inputs) -> Inputs:
@@ -227,14 +257,17 @@ def _compiled_training_run(model: torch.nn.Module, inputs: Inputs, report: Compa
     torch._dynamo.reset()
     report.training_graph_breaks = _graph_breaks(torch._dynamo.explain(model)(*inputs[0], **inputs[1]))
     torch._dynamo.reset()
-    try:  # the compiled training step, as the Trainer would run it
-        _loss(torch.compile(model, backend="neuron")(*inputs[0], **inputs[1])).backward()
-    except Exception as error:
-        error = getattr(error, "inner_exception", None) or error
-        report.training_compile_error = f"{type(error).__name__}: {first_line(error)}"
-    finally:
-        model.zero_grad(set_to_none=True)
-    if stablehlo.available():
+    with _torchneuron_graphs() as received:
+        try:  # the compiled training step, as the Trainer would run it
+            _loss(torch.compile(model, backend="neuron")(*inputs[0], **inputs[1])).backward()
+        except Exception as error:
+            error = getattr(error, "inner_exception", None) or error
+            report.training_compile_error = f"{type(error).__name__}: {first_line(error)}"
+        finally:
+            model.zero_grad(set_to_none=True)
+    if received is not None:
+        report.training_stablehlo = _torchneuron_lowering(received, report.training_compile_error)
+    elif stablehlo.available():
         _lower_training_graphs(model, inputs, report)
     torch._dynamo.reset()
 

@@ -9,6 +9,7 @@ import functools
 import hashlib
 import os
 import platform
+import subprocess
 import sys
 import time
 import warnings
@@ -21,7 +22,6 @@ import torch
 from ..device import backend_info
 from ..errors import LoweringError, first_line
 from ..host import compiler_version
-from ..version import __version__
 from . import stablehlo
 
 GRAPH_FILE = "graph.bin"
@@ -33,35 +33,63 @@ STABLEHLO_FILE = "graph.stablehlo.mlir"
 
 @functools.cache
 def compile_environment() -> dict[str, str]:
-    """Everything a compiled graph depends on besides the graph itself: on the reference device the
-    C++ compiler and the CPU, on TorchNeuron its version (its own cache keys cover its compiler)."""
+    """Everything a compiled graph depends on besides the graph itself, and nothing more, so that a
+    graph compiled on one machine serves every machine where it would compile the same: PyTorch's
+    version (its serialization), Python's bytecode version (not its patch release), the backend; on
+    TorchNeuron its version (its own cache keys cover its compiler); on the reference device the
+    library's code generation (not its version: a release that leaves it alone keeps every graph),
+    the C++ compiler and what `-march=native` (Inductor's default) makes of this CPU."""
     from torch._inductor.cpp_builder import get_cpp_compiler
 
     info = backend_info()
     found = {
-        "optimum_neuron_torch": __version__,
         "torch": torch.__version__,
         "backend": info.name,
-        "python": platform.python_version(),
+        "python": sys.implementation.cache_tag,
         "platform": sys.platform,
     }
     if info.name == "torchneuron":
         return {**found, "torchneuron": info.version}
+    compiler = get_cpp_compiler()
     return {
         **found,
-        "compiler": compiler_version(get_cpp_compiler()),
-        "cpu": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()} flags {_cpu_flags_digest()}",
+        "codegen": _codegen_digest(),
+        "compiler": compiler_version(compiler),
+        "cpu": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()} target {_native_target(compiler)}",
     }
 
 
-def _cpu_flags_digest() -> str:
-    """A short hash of the CPU's feature flags (what generated kernels may use), from /proc/cpuinfo."""
+def _codegen_digest() -> str:
+    """A short hash of the library's code that shapes a compiled graph on the reference device: the
+    Inductor device it registers and this module (how graphs are compiled and stored)."""
+    from . import inductor_device
+
+    digest = hashlib.sha256()
+    for module in (inductor_device.__file__, __file__):
+        digest.update(Path(module).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def _native_target(compiler: str) -> str:
+    """A short hash of the instruction sets the C++ compiler enables for `-march=native` on this CPU
+    (the kernels are built with it): two CPUs that differ only in flags no code uses (a hypervisor's,
+    a microcode mitigation's) give the same. Compilers that cannot list them (`-Q --help=target` is
+    GCC's) fall back to every feature flag of the CPU."""
     try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = platform.processor()
-    return hashlib.sha256(" ".join(sorted(flags.split(":", 1)[-1].split())).encode()).hexdigest()[:12]
+        listed = subprocess.run([compiler, "-march=native", "-Q", "--help=target"], capture_output=True, text=True,
+                                check=True, timeout=60).stdout
+        enabled = sorted(" ".join(line.split()) for line in listed.splitlines()
+                         if line.strip().endswith("[enabled]") or line.strip().startswith("-march="))
+    except (OSError, subprocess.SubprocessError):
+        enabled = []
+    if not enabled:
+        try:
+            with open("/proc/cpuinfo") as cpuinfo:
+                flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+        except OSError:
+            flags = platform.processor()
+        enabled = sorted(flags.split(":", 1)[-1].split())
+    return hashlib.sha256(" ".join(enabled).encode()).hexdigest()[:12]
 
 
 def _probe_vector_isa() -> None:

@@ -42,6 +42,7 @@ import torch
 from torch._dynamo.aot_compile import AOTCompiledFunction
 
 from ..errors import first_line
+from ..version import __version__
 from . import artifact
 from .cache import FUNCTION_KIND, SLOTS_DIR, STATS, CompileCache, autocast_state
 from .dynamo_backend import note_cache_key
@@ -215,7 +216,10 @@ class PrecompiledFunction:
             "function": {"name": f"{self.function.__module__}.{self.function.__qualname__}",
                          "source": _source_digest(self.function), "backend": self.backend,
                          "options": repr(sorted(self.options.items()))},
-            "environment": {**artifact.compile_environment(), "transformers": transformers.__version__},
+            # (the trace inlines Transformers' code and the library's, so both versions count here; the graphs
+            # it calls are keyed by their content)
+            "environment": {**artifact.compile_environment(), "transformers": transformers.__version__,
+                            "optimum_neuron_torch": __version__},
             "rank": torch.distributed.get_rank() if torch.distributed.is_initialized() else None,  # (graphs per rank)
             "model": type(model).__qualname__,
             "config": _digest(config),

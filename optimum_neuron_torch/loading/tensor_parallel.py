@@ -24,7 +24,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.distributed import DistributedConfig
 from transformers.distributed.sharding_utils import DtensorShardOperation
 
-from .. import settings
+from .. import object_collectives, settings
 from ..errors import ConfigurationError, RankFailedError, UnsupportedModelError, first_line
 
 # Config attributes whose value the tensor-parallel degree must divide: attention heads are split
@@ -84,10 +84,33 @@ def start(config: DistributedConfig) -> Any:
         # The group first: TorchNeuron's setup gives each process its core (NEURON_RT_VISIBLE_CORES) and
         # numbers devices from the local rank; before it, a process launched with one visible core has
         # device 0 only, and set_device(local_rank) fails on every rank but the first.
-        dist.init_process_group("neuron", timeout=timedelta(seconds=settings.distributed_timeout()))
-        torch.neuron.set_device(settings.launcher_local_rank())
+        try:
+            dist.init_process_group("neuron", timeout=timedelta(seconds=settings.distributed_timeout()))
+        except (RuntimeError, ValueError, AssertionError) as error:  # (TorchNeuron's setup asserts one core a rank)
+            raise _core_error(settings.launcher_rank(), error) from error
+        agree("selecting its NeuronCore", _select_core())
     _, _, mesh_manager = PreTrainedModel.prepare_distribute_model(config)
     return mesh_manager
+
+
+def _select_core() -> ConfigurationError | None:
+    """Makes this rank's core (its local rank's) the current device; returns the error naming the rank,
+    what it sees and the fix, when it cannot."""
+    try:
+        torch.neuron.set_device(settings.launcher_local_rank())
+    except (RuntimeError, ValueError, AssertionError) as error:
+        return _core_error(dist.get_rank(), error)
+    return None
+
+
+def _core_error(rank: int, error: BaseException) -> ConfigurationError:
+    """The error of a rank that cannot have its NeuronCore, with what it sees and the fix."""
+    return ConfigurationError(
+        f"rank {rank} (local rank {settings.launcher_local_rank()}) cannot have a NeuronCore of its own: "
+        f"{type(error).__name__}: {first_line(error)}. NEURON_RT_VISIBLE_CORES={settings.visible_cores()!r}. "
+        "Launch one process per core with torchrun and leave NEURON_RT_VISIBLE_CORES unset (the process group "
+        "gives each rank the core of its local rank), or set it to one core per rank, different on each rank."
+    )
 
 
 def check_divisible(config: PretrainedConfig, tp_size: int, name: str) -> None:
@@ -183,8 +206,7 @@ def agree(step: str, error: BaseException | None) -> None:
             raise error
         return
     outcome = None if error is None else f"{type(error).__name__}: {first_line(error)}"
-    outcomes: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, outcome)
+    outcomes = object_collectives.all_gather(outcome)
     if error is not None:
         raise error
     failed = {rank: outcome for rank, outcome in enumerate(outcomes) if outcome is not None}

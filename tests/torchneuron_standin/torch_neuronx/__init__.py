@@ -409,8 +409,11 @@ def wrap_nki(*args, **kwargs):
 
 def __getattr__(name: str):
     """Missing names: recorded when the library asks (see _runtime.report_miss), then AttributeError."""
-    _runtime.report_miss(__name__, name)
+    _runtime.report_miss(__name__, name, depth=3)  # (called by `StrictModule.__getattribute__`)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 from . import distributed  # noqa: E402  (last on purpose: registers the c10d backend "neuron" once all is defined)
+
+_runtime.make_strict(__name__)
+_runtime.make_strict(neuron.__name__)

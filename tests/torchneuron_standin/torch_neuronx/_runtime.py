@@ -121,14 +121,67 @@ def core_memory() -> int:
     return 4 * 1024**3
 
 
+# The names TorchNeuron's modules define (top-level functions, classes, assignments and imports of
+# `torch_neuronx/__init__.py` and `torch_neuronx/neuron.py`, its `torch.neuron`), private ones included.
+# The stand-in has helpers of its own besides; a library lookup of one of those is a miss too.
+SURFACES = {
+    "torch_neuronx": frozenset({
+        "DEFAULT_FALLBACK_ONLY_FOR_UNIMPLEMENTED", "DEFAULT_MLIR_ATEN_OPS", "DEFAULT_RETAIN_DEVICE_MODE",
+        "DEFAULT_SYNC_MODE", "Event", "NeuronProfiler", "Stream", "StreamContext", "_C", "_after_fork", "_autoload",
+        "_get_device_index", "_initialization_lock", "_initialized", "_is_in_bad_fork", "_is_loaded", "_lazy_init",
+        "_original_pid", "_real_torch_device", "clear_op_tracking", "current_device", "current_stream",
+        "default_stream", "device", "device_count", "distributed", "empty_cache", "get_device_properties",
+        "get_dynamo_metrics", "get_executed_ops", "get_fallback_ops", "is_neuron_runtime_initialized", "kernels",
+        "max_memory_allocated", "max_memory_reserved", "memory", "memory_allocated", "memory_reserved",
+        "memory_stats", "memory_summary", "metrics", "neuron", "neuron_dynamo_backend", "nki_hop", "nki_op", "os",
+        "profiling", "python_ops", "reset_accumulated_memory_stats", "reset_dynamo_metrics",
+        "reset_peak_memory_stats", "set_device", "set_stream", "stream", "streams", "synchronize", "threading",
+        "torch", "wrap_nki",
+    }),
+    "torch_neuronx.neuron": frozenset({
+        "Event", "Stream", "_is_in_bad_fork", "_sleep", "current_device", "current_stream", "default_stream",
+        "device", "device_count", "empty_cache", "get_amp_supported_dtype", "get_device_name",
+        "get_device_properties", "get_dynamo_metrics", "get_rng_state", "init", "initial_seed", "is_available",
+        "is_bf16_supported", "is_initialized", "manual_seed", "manual_seed_all", "max_memory_allocated",
+        "max_memory_reserved", "memory", "memory_allocated", "memory_reserved", "memory_stats", "memory_summary",
+        "query", "record_event", "reset_accumulated_memory_stats", "reset_dynamo_metrics", "reset_peak_memory_stats",
+        "seed", "seed_all", "set_device", "set_rng_state", "set_stream", "stream", "synchronize", "wait_event",
+        "wait_stream",
+        # Not TorchNeuron's: the stand-in's hook to start its runtime at the first allocation (TorchNeuron's
+        # allocator starts it). PyTorch's C++ looks it up at every device tensor creation, from whatever Python
+        # frame is running, so it cannot tell the library's lookups from PyTorch's.
+        "_lazy_init",
+    }),
+}
+
+
+class StrictModule(ModuleType):
+    """A module of the stand-in whose names beyond TorchNeuron's (`SURFACES`) count as misses when the
+    library looks them up: they exist here, not on Trn."""
+
+    def __getattribute__(self, name: str):
+        value = super().__getattribute__(name)  # (a missing name: the module's `__getattr__` reports it)
+        surface = SURFACES[ModuleType.__getattribute__(self, "__name__")]
+        if name not in surface:
+            report_miss(ModuleType.__getattribute__(self, "__name__"), name)
+        return value
+
+
+def make_strict(module_name: str) -> None:
+    """Makes `module_name` (an entry of `SURFACES`) a `StrictModule`."""
+    sys.modules[module_name].__class__ = StrictModule
+
+
 def report_miss(module: str, name: str, depth: int = 2) -> None:
-    """Records a name the library looked up on TorchNeuron's modules that they do not have.
+    """Records a name the library looked up on TorchNeuron's modules that they do not have (missing
+    here too, or a helper of the stand-in's own: see `StrictModule`).
 
     Only lookups made from a file inside a directory named `optimum_neuron_torch` count (torch's own
     probing, e.g. `hasattr(torch.neuron, ...)`, does not), written as a line `module.name` to the file
-    named by TORCH_NEURONX_STANDIN_MISSES, when set. `depth` is the frame of the module `__getattr__`'s
-    caller. Import machinery probing for a submodule (`from torch_neuronx import neuron_dynamo_backend`)
-    runs in importlib's frames, so it does not count; a missing name imported that way still does.
+    named by TORCH_NEURONX_STANDIN_MISSES, when set. `depth` is how many frames out the lookup's caller
+    is (2 from `StrictModule.__getattribute__`, 3 from a module `__getattr__` it calls). Import
+    machinery probing for a submodule (`from torch_neuronx import neuron_dynamo_backend`) runs in
+    importlib's frames, so it does not count; a missing name imported that way still does.
     """
     path = os.environ.get(MISSES_ENV)
     if not path or (name.startswith("__") and name.endswith("__")):

@@ -3,6 +3,10 @@
 `init_process_group("neuron")` creates a `ProcessGroupNeuron`, a Python `ProcessGroup` as TorchNeuron's
 is. Each collective copies its device tensors to the CPU, runs the same collective on a gloo process
 group created over the same store, and copies the results back; the work it returns is complete.
+TorchNeuron runs each collective as an XLA program compiled for its op, shapes and dtypes and cached
+by them (`python_ops/xla_builder/kernel.py`, `_generate_cache_key`, `_get_or_compile_neff`): the
+programs a process would compile are recorded in `_compiled_collectives` (for tests). Its barrier
+exists for the default group only (`distributed/backend.py`, `barrier`: NotImplementedError).
 The first process group sets the process up as TorchNeuron does: one NeuronCore per process
 (NEURON_RT_VISIBLE_CORES=LOCAL_RANK unless set), NEURON_RT_ROOT_COMM_ID from the store, then the
 runtime starts; it must not have started before.
@@ -35,6 +39,9 @@ from torch.distributed.constants import default_pg_timeout
 import torch_neuronx
 
 _WORLD_SIZE = None
+
+# (op, ((shape, dtype), ...), group name) of every collective program TorchNeuron would have compiled.
+_compiled_collectives: set = set()
 
 
 def _free_port() -> int:
@@ -89,6 +96,12 @@ def _as_list(tensors):
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
+def _flat(tensors):
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    return [t for item in tensors for t in _flat(item)]
+
+
 class ProcessGroupNeuron(ProcessGroup):
     """The `neuron` process group: collectives of neuron (or CPU) tensors, computed by gloo on the host."""
 
@@ -119,9 +132,15 @@ class ProcessGroupNeuron(ProcessGroup):
     def _device_types(self):
         return [torch.device("neuron")]
 
+    def _program(self, op, *tensors) -> None:
+        """Records the program TorchNeuron would compile (or take from its cache) for this call."""
+        signature = tuple((tuple(t.shape), str(t.dtype)) for t in _flat(tensors))
+        _compiled_collectives.add((op, signature, self._group_name))
+
     # ---- collectives: host copies in, gloo, copies back ----
 
     def allreduce(self, tensors, opts=None):
+        self._program('allreduce', tensors)
         tensors = _as_list(tensors)
         if not isinstance(opts, AllreduceOptions):
             reduce_op = opts if opts is not None else dist.ReduceOp.SUM
@@ -133,12 +152,14 @@ class ProcessGroupNeuron(ProcessGroup):
         return _done(tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
+        self._program('allreduce_coalesced', tensors)
         hosts = _hosts(tensors)
         self._gloo.allreduce_coalesced(hosts, opts or AllreduceCoalescedOptions()).wait()
         _copy_back(tensors, hosts)
         return _done(tensors)
 
     def broadcast(self, tensors, opts=None):
+        self._program('broadcast', tensors)
         tensors = _as_list(tensors)
         hosts = _hosts(tensors)
         self._gloo.broadcast(hosts, opts or BroadcastOptions()).wait()
@@ -146,6 +167,7 @@ class ProcessGroupNeuron(ProcessGroup):
         return _done(tensors)
 
     def reduce(self, tensors, opts=None):
+        self._program('reduce', tensors)
         tensors = _as_list(tensors)
         hosts = _hosts(tensors)
         self._gloo.reduce(hosts, opts or ReduceOptions()).wait()
@@ -153,6 +175,7 @@ class ProcessGroupNeuron(ProcessGroup):
         return _done(tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
+        self._program('allgather', output_tensors, input_tensors)
         out_hosts = [_hosts(outputs) for outputs in output_tensors]
         self._gloo.allgather(out_hosts, _hosts(input_tensors), opts or AllgatherOptions()).wait()
         for outputs, hosts in zip(output_tensors, out_hosts, strict=True):
@@ -163,6 +186,7 @@ class ProcessGroupNeuron(ProcessGroup):
         return self.allgather(output_lists, input_list, opts)
 
     def _allgather_base(self, output, input, opts=None):
+        self._program('_allgather_base', output, input)
         out_host = _host(output)
         self._gloo._allgather_base(out_host, _host(input), opts or AllgatherOptions()).wait()
         _copy_back([output], [out_host])
@@ -174,6 +198,7 @@ class ProcessGroupNeuron(ProcessGroup):
         return _done(outputs)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        self._program('reduce_scatter', output_tensors, input_tensors)
         out_hosts = _hosts(output_tensors)
         in_hosts = [_hosts(inputs) for inputs in input_tensors]
         self._gloo.reduce_scatter(out_hosts, in_hosts, opts or ReduceScatterOptions()).wait()
@@ -181,6 +206,7 @@ class ProcessGroupNeuron(ProcessGroup):
         return _done(output_tensors)
 
     def _reduce_scatter_base(self, output, input, opts=None):
+        self._program('_reduce_scatter_base', output, input)
         out_host = _host(output)
         self._gloo._reduce_scatter_base(out_host, _host(input), opts or ReduceScatterOptions()).wait()
         _copy_back([output], [out_host])
@@ -192,6 +218,7 @@ class ProcessGroupNeuron(ProcessGroup):
         return _done(outputs)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        self._program('alltoall_base', output, input)
         out_host = _host(output)
         self._gloo.alltoall_base(
             out_host, _host(input), output_split_sizes, input_split_sizes, opts or AllToAllOptions()
@@ -200,12 +227,14 @@ class ProcessGroupNeuron(ProcessGroup):
         return _done([output])
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
+        self._program('alltoall', output_tensors, input_tensors)
         out_hosts = _hosts(output_tensors)
         self._gloo.alltoall(out_hosts, _hosts(input_tensors), opts or AllToAllOptions()).wait()
         _copy_back(output_tensors, out_hosts)
         return _done(output_tensors)
 
     def gather(self, output_tensors, input_tensors, opts=None):
+        self._program('gather', output_tensors, input_tensors)
         out_hosts = [_hosts(outputs) for outputs in output_tensors]
         self._gloo.gather(out_hosts, _hosts(input_tensors), opts or GatherOptions()).wait()
         for outputs, hosts in zip(output_tensors, out_hosts, strict=True):
@@ -213,6 +242,7 @@ class ProcessGroupNeuron(ProcessGroup):
         return _done(output_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
+        self._program('scatter', output_tensors, input_tensors)
         out_hosts = _hosts(output_tensors)
         in_hosts = [_hosts(inputs) for inputs in input_tensors]
         self._gloo.scatter(out_hosts, in_hosts, opts or ScatterOptions()).wait()
@@ -220,10 +250,12 @@ class ProcessGroupNeuron(ProcessGroup):
         return _done(output_tensors)
 
     def send(self, tensors, dst_rank, tag=0):
+        self._program('send', tensors)
         self._gloo.send(_hosts(tensors), dst_rank, tag).wait()
         return _done(tensors)
 
     def recv(self, tensors, src_rank, tag=0):
+        self._program('recv', tensors)
         hosts = _hosts(tensors)
         self._gloo.recv(hosts, src_rank, tag).wait()
         _copy_back(tensors, hosts)
@@ -237,6 +269,8 @@ class ProcessGroupNeuron(ProcessGroup):
     all_to_all_single = alltoall_base
 
     def barrier(self, opts=None):
+        if dist.get_world_size() != self.size():
+            raise NotImplementedError(f"Barrier is implemented only for default group, called barrier on {self}")
         # gloo's barrier takes no device of ours: give it a fresh CPU one with the same timeout.
         host_opts = BarrierOptions()
         host_opts.timeout = opts.timeout if opts is not None else self._timeout

@@ -264,5 +264,5 @@ def is_bf16_supported() -> bool:
 
 def __getattr__(name: str):
     """Missing names: recorded when the library asks (see _runtime.report_miss), then AttributeError."""
-    _runtime.report_miss(__name__, name)
+    _runtime.report_miss(__name__, name, depth=3)  # (called by `StrictModule.__getattribute__`)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,7 +29,6 @@ namespace {
 struct OpEntry {
   std::string name; // "aten::add.out"
   bool native = true; // per the active profile
-  int generator_arg = -1; // index of a Generator? argument, if any
   std::vector<int> written_args; // arguments the op writes (in-place and out= ops)
   std::atomic<int64_t> calls{0};
   std::atomic<int64_t> nanoseconds{0};
@@ -74,11 +73,6 @@ OpEntry& entry_for(const c10::OperatorHandle& op) {
   OpEntry& entry = entry_named_locked(qualified_name(schema->operator_name()));
   const auto& arguments = schema->arguments();
   for (size_t i = 0; i < arguments.size(); ++i) {
-    const auto& type = arguments[i].real_type();
-    if (type->kind() == c10::TypeKind::OptionalType &&
-        type->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::GeneratorType) {
-      entry.generator_arg = static_cast<int>(i);
-    }
     if (arguments[i].alias_info() != nullptr && arguments[i].alias_info()->isWrite()) {
       entry.written_args.push_back(static_cast<int>(i));
     }
@@ -328,11 +322,10 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, const 
       v = std::move(hosts);
     } else if (v.isDevice() && v.toDevice().type() == kNeuron) {
       v = c10::Device(c10::kCPU);
-    } else if (v.isGenerator() && v.toGenerator().device().type() == kNeuron) {
-      v = draw_generator(v.toGenerator());
-    } else if (v.isNone() && static_cast<int>(i) == entry.generator_arg) {
-      v = draw_generator(default_generator(device));
     }
+    // Generators pass through as in PyTorch's `cpu_fallback`, which TorchNeuron's fallback calls
+    // (`csrc/core/NeuronBindings.cpp`, `neuron_cpu_fallback`): a random op without one draws from the
+    // CPU default generator, and the CPU kernel refuses a `neuron` generator, as on Trn.
   }
 
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);

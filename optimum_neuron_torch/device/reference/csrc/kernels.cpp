@@ -103,21 +103,31 @@ at::Scalar local_scalar_dense(const at::Tensor& self) {
 }
 
 // ---- dropout ----
-// native_dropout takes no generator argument: the CPU kernel would draw from the CPU default
-// generator, so the device's own generator would not make it reproducible.
+// As TorchNeuron's (`python_ops/torch_mlir/ops/dropout.py`, `python_ops/jax/ops/native_dropout.py`): the mask
+// is drawn on the host from the CPU default generator, `bernoulli` of a bool tensor with the keep
+// probability, and the output is input * mask * (1 / keep). So the same seed gives the same masks on
+// Trn, and `torch.manual_seed` (not `torch.neuron.manual_seed`) is what makes dropout repeat.
 
 std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p, std::optional<bool> train) {
   track_explicit("aten::native_dropout");
   const c10::DeviceIndex device = input.device().index();
   at::Tensor host = host_view(input);
-  if (train.has_value() && !*train) {
-    return {to_device(host.clone(), device), to_device(at::ones_like(host, at::kBool), device)};
+  const bool training = train.value_or(true);
+  TORCH_CHECK(!training || (p >= 0.0 && p <= 1.0), "dropout probability has to be between 0 and 1, but got ", p);
+  at::Tensor mask;
+  double scale = 1.0;
+  if (!training || p == 0.0) {
+    mask = at::ones(host.sizes(), host.options().dtype(at::kBool));
+  } else if (p == 1.0) {
+    mask = at::zeros(host.sizes(), host.options().dtype(at::kBool));
+    scale = 0.0;
+  } else {
+    const double keep = 1.0 - p;
+    mask = at::bernoulli(at::empty(host.sizes(), host.options().dtype(at::kBool)), keep);
+    scale = 1.0 / keep;
   }
-  const double keep = 1.0 - p;
-  at::Tensor mask = at::empty_like(host, at::MemoryFormat::Contiguous);
-  mask.bernoulli_(keep, draw_generator(default_generator(device)));
-  at::Tensor output = host.mul(mask).mul_(keep == 0.0 ? 0.0 : 1.0 / keep);
-  return {to_device(output, device), to_device(mask.to(at::kBool), device)};
+  at::Tensor output = host.mul(mask.to(host.scalar_type())).mul_(scale);
+  return {to_device(output, device), to_device(mask, device)};
 }
 
 // ---- fused attention ----

@@ -41,9 +41,6 @@ bool is_pinned(const void* ptr);
 // ---- random numbers (runtime.cpp) ----
 const at::Generator& default_generator(c10::DeviceIndex index);
 at::Generator new_generator(c10::DeviceIndex index);
-// A CPU generator for one draw of a `neuron` generator (CPU kernels only accept CPU generators):
-// seeded from the generator's (seed, offset), whose offset then moves on.
-at::Generator draw_generator(const at::Generator& gen);
 
 // ---- host views (fallback.cpp) ----
 // A CPU tensor over the same memory as a `neuron` tensor (no copy).

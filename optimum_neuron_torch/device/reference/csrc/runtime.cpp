@@ -134,18 +134,10 @@ class NeuronGuardImpl final : public c10::impl::DeviceGuardImplInterface {
 C10_REGISTER_GUARD_IMPL(PrivateUse1, NeuronGuardImpl);
 
 // ---- random numbers ----
-// TorchNeuron's generator state: a seed and a Philox-style offset, 16 bytes (seed in bytes 0-8,
-// offset in 8-16), the format DTensor's random ops rewrite. The reference device draws on the host:
-// each draw seeds a CPU generator from (seed, offset), then advances the offset, so a state
-// restored with set_state replays the same numbers.
-constexpr uint64_t kOffsetPerDraw = 4; // Philox yields 4 numbers per counter step
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
+// TorchNeuron's generator (`csrc/core/NeuronHooksInterface.cpp`): a seed and a Philox offset, 16 bytes
+// (seed in bytes 0-8, offset in 8-16), the format DTensor's random ops rewrite. As on TorchNeuron, no
+// op draws from it: random ops take the CPU fallback (CPU default generator) and dropout draws its
+// mask on the host (see `native_dropout`). It holds what `torch.neuron` seeds and reports.
 
 class NeuronGeneratorImpl final : public c10::GeneratorImpl {
  public:
@@ -190,13 +182,6 @@ class NeuronGeneratorImpl final : public c10::GeneratorImpl {
     std::memcpy(bytes + sizeof(seed_), &offset_, sizeof(offset_));
     return state.getIntrusivePtr();
   }
-  // A CPU generator for one draw, determined by (seed, offset); the offset moves on.
-  at::Generator draw() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    at::Generator cpu = at::make_generator<at::CPUGeneratorImpl>(splitmix64(seed_ ^ splitmix64(offset_)));
-    offset_ += kOffsetPerDraw;
-    return cpu;
-  }
 
  private:
   NeuronGeneratorImpl* clone_impl() const override {
@@ -232,10 +217,6 @@ at::Generator new_generator(c10::DeviceIndex index) {
   return at::make_generator<NeuronGeneratorImpl>(index < 0 ? current_device() : index);
 }
 
-at::Generator draw_generator(const at::Generator& gen) {
-  TORCH_CHECK(gen.device().type() == kNeuron, "neuron: expected a neuron generator, got one on ", gen.device());
-  return static_cast<NeuronGeneratorImpl*>(gen.unsafeGetGeneratorImpl())->draw();
-}
 
 namespace {
 
