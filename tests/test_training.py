@@ -5,10 +5,15 @@ another world size for FSDP2); compiled steps stop recompiling; LoRA round trips
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from packaging.version import Version
 from training_programs import dataset, train
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
@@ -54,6 +59,38 @@ def test_plain_trainer_trains_on_neuron_like_the_cpu(folder, cpu_run, tmp_path):
     assert run["device"] == "neuron:0" and run["devices"] == ["neuron"]  # never silently on the CPU
     assert cpu_run["device"] == "cpu" and cpu_run["devices"] == ["cpu"]
     _assert_same_losses(run, _jsonable(cpu_run))
+
+
+def _floor(package: str) -> str:
+    """The lowest version of `package` that pyproject.toml accepts."""
+    text = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    return re.search(rf'^\s*"{package}>=([^,"]+)', text, re.MULTILINE).group(1)
+
+
+@pytest.mark.slow
+def test_the_oldest_transformers_and_accelerate_accepted_train_on_neuron_like_the_newest(folder, cpu_run, tmp_path):
+    """The floor pyproject.toml declares (the first releases that choose `neuron` themselves) trains on
+    `neuron`, compiled as Trainer compiles it, like the CPU: the library builds on their support, with the
+    same adjustment as with the newest releases (the other tests)."""
+    oldest = tmp_path / "oldest"
+    versions = {"transformers": _floor("transformers"), "accelerate": _floor("accelerate")}
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(oldest),
+                    *(f"{package}=={version}" for package, version in versions.items())], check=True, timeout=600)
+    out = tmp_path / "run.json"
+    done = subprocess.run(
+        [sys.executable, PROGRAM, str(out), str(folder), f"output_dir={json.dumps(str(tmp_path / 'out'))}",
+         "steps=6", "torch_compile=true"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(oldest), str(Path(__file__).parent)])},
+        capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-5000:]
+    run = json.loads(out.read_text())
+    assert {package: Version(version) for package, version in run["versions"].items()} == {
+        package: Version(version) for package, version in versions.items()}
+    assert run["device"] == "neuron:0" and run["devices"] == ["neuron"] and run["adjustments"] == ["neuron_detection"]
+    # Trainer compiles with TorchNeuron's backend and static shapes (dynamic=None before 5.23: a second batch
+    # length would make Dynamo mark sizes dynamic, which TorchNeuron refuses)
+    assert run["torch_compile_backend"] == "neuron" and run["compile_dynamic"] is False
+    _assert_same_losses(run, _jsonable(cpu_run), steps=range(1, 7))
 
 
 @pytest.mark.slow

@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import accelerate
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 import optimum_neuron_torch as ont
@@ -79,7 +81,10 @@ def train(folder: str | Path, output_dir: str | Path, *, device: str = "neuron",
     return {"losses": losses, "devices": sorted(record.devices), "placements": sorted(record.placements),
             "local_fraction": record.local_fraction, "device": str(args.device),
             "distributed_type": str(trainer.accelerator.distributed_type),
-            "mixed_precision": trainer.accelerator.mixed_precision}
+            "mixed_precision": trainer.accelerator.mixed_precision, "adjustments": ont.training.active(),
+            "torch_compile_backend": args.torch_compile_backend,
+            "compile_dynamic": getattr(trainer.accelerator.state.dynamo_plugin, "dynamic", None),
+            "versions": {"transformers": transformers.__version__, "accelerate": accelerate.__version__}}
 
 
 if __name__ == "__main__":

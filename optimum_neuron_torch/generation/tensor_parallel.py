@@ -33,10 +33,11 @@ def whole_graphs_reason(model: PreTrainedModel) -> str | None:
 
 
 def share_random_state(mesh: DeviceMesh) -> None:
-    """Gives every rank of `mesh` the random states of its first rank, the `neuron` device's and the
-    CPU's (ops that fall back to the CPU, sampling among them, draw from it), so that sampling
-    draws the same tokens everywhere: ranks that sampled apart would feed the collectives
-    different sequences. Under `torch.manual_seed(s)` on every rank this changes nothing."""
+    """Gives every rank of `mesh` the random states of its first rank, the CPU's (every random op on
+    `neuron`, sampling among them, draws from it, as on TorchNeuron) and the `neuron` generator's
+    (which DTensor's random ops move), so that sampling draws the same tokens everywhere: ranks that
+    sampled apart would feed the collectives different sequences. Under `torch.manual_seed(s)` on
+    every rank this changes nothing."""
     device_state, host_state = object_collectives.broadcast(
         (torch.neuron.get_rng_state(), torch.get_rng_state()), mesh.get_group()
     )
