@@ -16,7 +16,6 @@ import weakref
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from . import settings
@@ -27,24 +26,41 @@ _LOCK = threading.Lock()
 
 
 def host_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
-    """A process group over the ranks of `group` (default: the whole job) whose object collectives
-    stay on the host: `group` itself when it already has a CPU backend, else a gloo group created
-    once for it. Its first use is collective: every rank of `group` calls it at the same point, as
-    it would call the collective that follows."""
+    """A process group over the ranks of `group` whose collectives stay on the host: `group` itself
+    when its backend is gloo (or has a CPU part, `"cpu:gloo,neuron:neuron"`), else a gloo group
+    created once for it.
+
+    Its first use creates a process group, which every rank of the job does at the same point (as
+    `torch.distributed.new_group` requires): call it where every rank calls the collective that
+    follows, as the functions below are called.
+
+    Args:
+        group: the process group (default: the whole job's).
+
+    Returns:
+        The group to hand the object collectives.
+    """
     group = group or dist.group.WORLD
-    if torch.device("cpu") in group._device_types:
+    backend = dist.get_backend(group)
+    if backend == "gloo" or "cpu:" in backend:
         return group
     with _LOCK:
         if group not in _HOST_GROUPS:
-            _HOST_GROUPS[group] = dist.new_group(
-                ranks=dist.get_process_group_ranks(group), backend="gloo", use_local_synchronization=True,
-                timeout=timedelta(seconds=settings.distributed_timeout()),
-            )
+            _HOST_GROUPS[group] = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
+                                                 timeout=timedelta(seconds=settings.distributed_timeout()))
         return _HOST_GROUPS[group]
 
 
 def all_gather(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
-    """Every rank's `value` (picklable), in the order of the ranks of `group`."""
+    """Every rank's `value`, over the host (see `host_group`).
+
+    Args:
+        value: a picklable object.
+        group: the ranks (default: the whole job's).
+
+    Returns:
+        The values of the ranks of `group`, in their order.
+    """
     group = host_group(group)
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, value, group=group)
@@ -52,7 +68,15 @@ def all_gather(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
 
 
 def broadcast(value: Any, group: dist.ProcessGroup | None = None) -> Any:
-    """The first rank of `group`'s `value` (picklable), on every rank of `group`."""
+    """The first rank's `value`, on every rank, over the host (see `host_group`).
+
+    Args:
+        value: a picklable object (what the other ranks pass is ignored).
+        group: the ranks (default: the whole job's).
+
+    Returns:
+        The value of the first rank of `group`.
+    """
     box = [value]
     dist.broadcast_object_list(box, group_src=0, group=host_group(group))
     return box[0]

@@ -322,6 +322,10 @@ def program_dtensor() -> None:
     # do not move, so under one seed every rank's shard holds the same numbers.
     shards = first.chunk(WORLD)
     check("DTensor rand shards equal, as on TorchNeuron", all(torch.equal(shards[0], s) for s in shards[1:]), True)
+    # ... and DTensor forks the random states around each op (torch.random.fork_rng), the CPU's included,
+    # so two random ops in a row repeat the same numbers, as on TorchNeuron.
+    second = torch.distributed.tensor.rand((8, 6), device_mesh=mesh, placements=[Shard(0)]).full_tensor()
+    check("DTensor rand twice in a row: the same numbers, as on TorchNeuron", second, again)
     torch.manual_seed(99)
     replicated = torch.distributed.tensor.rand((4,), device_mesh=mesh, placements=[Replicate()]).to_local()
     gathered = [None] * WORLD

@@ -343,8 +343,8 @@ def test_sharded_load_compiled_generate_pipeline_and_check(torchneuron, llama):
     assert out["devices"] == ["neuron:0"]
     # check() reports TorchNeuron's own lowering and compile of the graphs (the library's Torch-MLIR is not its)
     assert out["compile_error"] is None
-    assert re.fullmatch(r"([1-9]\d*) of \1 compiled graph\(s\) lowered to StableHLO and compiled by TorchNeuron",
-                        out["stablehlo"]), out["stablehlo"]
+    assert re.fullmatch(r"[1-9]\d* graph\(s\) lowered to StableHLO and compiled by TorchNeuron", out["stablehlo"]), \
+        out["stablehlo"]
     assert out["disable_fallback_execution"] is None  # (set during the check only)
     # no module of the process observed; the loaded model's fallbacks told after each call
     assert out["hooks"] == {"global": 0, "model": [True]}
@@ -407,7 +407,7 @@ def test_tensor_parallel_load_with_one_visible_core_per_rank(torchneuron, llama,
 @pytest.mark.slow
 def test_ranks_that_cannot_have_a_core_each_fail_naming_rank_variable_and_fix(torchneuron, llama, tmp_path):
     """Two cores visible to every rank (a launch that forgot the per-rank NEURON_RT_VISIBLE_CORES): TorchNeuron's
-    process-group setup refuses; every rank fails at once, naming itself, the variable and the fix."""
+    process-group setup refuses; the job fails at once, each rank naming itself, the variable and the fix."""
     script = tmp_path / "ranks.py"
     script.write_text(f"import optimum_neuron_torch as ont\n"
                       f"ont.NeuronAutoModelForCausalLM.from_pretrained({str(llama)!r}, tp_size=2)\n")
@@ -415,10 +415,12 @@ def test_ranks_that_cannot_have_a_core_each_fail_naming_rank_variable_and_fix(to
                              str(script), env={"TORCH_NEURONX_STANDIN_CORES": "2", "NEURON_RT_VISIBLE_CORES": "0-1"},
                              timeout=300)
     assert result.returncode != 0
-    for rank in (0, 1):
-        assert (f"ConfigurationError: rank {rank} (local rank {rank}) cannot have a NeuronCore of its own: "
-                f"AssertionError: Attempted to have more than one device per process") in result.stderr
-    assert result.stderr.count("NEURON_RT_VISIBLE_CORES='0-1'. Launch one process per core") >= 2
+    # (torch's launcher stops the other rank once one has failed: it may not get to print its own)
+    failed = re.findall(r"ConfigurationError: rank (\d) \(local rank \1\) cannot have a NeuronCore of its own: "
+                        r"AssertionError: Attempted to have more than one device per process in distributed setup\. "
+                        r"It was launched with NEURON_RT_VISIBLE_CORES='0-1'\. Launch one process per core",
+                        result.stderr)
+    assert failed and set(failed) <= {"0", "1"}, result.stderr[-3000:]
 
 
 def machine(tmp_path: Path, name: str) -> dict[str, str]:
@@ -636,7 +638,7 @@ def test_a_graph_failing_on_the_device_runs_again_eagerly_unless_the_policy_is_e
         print("after:", double(x).cpu().tolist(), os.environ.get("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"))
         report = ont.check(torch.nn.Linear(3, 3), (torch.ones(2, 3),))  # (check() reports it too)
         print("check:", report.compile_error.startswith("RuntimeError: NRT execution failed"),
-              os.environ.get("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"))
+              os.environ.get("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"), report.stablehlo)
         """,
         env={"TORCH_NEURONX_STANDIN_FAIL_EXECUTION": "1"},
     )
@@ -644,7 +646,8 @@ def test_a_graph_failing_on_the_device_runs_again_eagerly_unless_the_policy_is_e
     assert result.stdout.splitlines() == ["warn: [3.0, 3.0, 3.0] None",
                                           "error: NRT execution failed: NRT_EXEC_BAD_INPUT 1",
                                           "after: [3.0, 3.0, 3.0] None",
-                                          "check: True None"]
+                                          "check: True None 1 graph(s) lowered to StableHLO and compiled by "
+                                          "TorchNeuron before the compile error"]
     assert "Falling back to original GraphModule execution" in result.stderr
 
 

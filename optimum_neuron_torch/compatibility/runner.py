@@ -185,29 +185,41 @@ def _compiled_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityR
 
 
 @contextlib.contextmanager
-def _torchneuron_graphs() -> Iterator[list[int] | None]:
+def _torchneuron_graphs() -> Iterator[list[int | None] | None]:
     """On TorchNeuron (None elsewhere): a list that holds, after the block, the number of graphs its
-    `neuron` backend received in it (it records one compilation entry per graph). In the block, a
-    compiled graph that fails on the device raises, instead of TorchNeuron re-running it eagerly."""
+    `neuron` backend compiled in it (it records a compilation entry per graph it compiled, NEFF cache
+    hits included), or None when it cannot tell. In the block, a compiled graph that fails on the
+    device raises, instead of TorchNeuron re-running it eagerly."""
     if backend_info().name != "torchneuron":
         yield None
         return
-    received: list[int] = []
-    before = len(torch.neuron.get_dynamo_metrics())
+    compiled: list[int | None] = []
+    before = _compilations()
     user_setting = replace_disable_fallback_execution("1")
     try:
-        yield received
+        yield compiled
     finally:
         replace_disable_fallback_execution(user_setting)
-        received.append(len(torch.neuron.get_dynamo_metrics()) - before)
+        after = _compilations()
+        compiled.append(None if before is None or after is None else after - before)
 
 
-def _torchneuron_lowering(received: list[int], compile_error: str | None) -> str:
+def _compilations() -> int | None:
+    """How many graphs TorchNeuron's backend compiled so far; None when it cannot say (its metrics
+    synchronize with the device, which a failed execution may have left unusable)."""
+    try:
+        return len(torch.neuron.get_dynamo_metrics())
+    except Exception:  # (what the device raised is the compile error already reported)
+        return None
+
+
+def _torchneuron_lowering(compiled: list[int | None], compile_error: str | None) -> str:
     """What TorchNeuron's own compile of the graphs says of their lowering to StableHLO: it lowers each
     graph it receives (with its fork of Torch-MLIR) and compiles it, so a graph that compiled lowered."""
+    count = "an unknown number of" if compiled[0] is None else str(compiled[0])
     if compile_error is not None:
-        return f"TorchNeuron did not compile every graph: see the compile error ({received[0]} graph(s) received)"
-    return f"{received[0]} of {received[0]} compiled graph(s) lowered to StableHLO and compiled by TorchNeuron"
+        return f"{count} graph(s) lowered to StableHLO and compiled by TorchNeuron before the compile error"
+    return f"{count} graph(s) lowered to StableHLO and compiled by TorchNeuron"
 
 
 def _with_labels(model: torch.nn.Module, inputs: Inputs) -> Inputs:

@@ -38,7 +38,8 @@ def compile_environment() -> dict[str, str]:
     version (its serialization), Python's bytecode version (not its patch release), the backend; on
     TorchNeuron its version (its own cache keys cover its compiler); on the reference device the
     library's code generation (not its version: a release that leaves it alone keeps every graph),
-    the C++ compiler and what `-march=native` (Inductor's default) makes of this CPU."""
+    the C++ compiler, what `-march=native` (Inductor's default) makes of this CPU and Torch-MLIR's
+    version (if the `stablehlo` extra is installed)."""
     from torch._inductor.cpp_builder import get_cpp_compiler
 
     info = backend_info()
@@ -56,16 +57,19 @@ def compile_environment() -> dict[str, str]:
         "codegen": _codegen_digest(),
         "compiler": compiler_version(compiler),
         "cpu": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()} target {_native_target(compiler)}",
+        # (an entry records whether its graph lowers to StableHLO, which the partitioning reads)
+        "torch_mlir": stablehlo.version() or "not installed",
     }
 
 
 def _codegen_digest() -> str:
     """A short hash of the library's code that shapes a compiled graph on the reference device: the
-    Inductor device it registers and this module (how graphs are compiled and stored)."""
+    Inductor device it registers, this module (how graphs are compiled and stored) and the StableHLO
+    check (whose verdict an entry records)."""
     from . import inductor_device
 
     digest = hashlib.sha256()
-    for module in (inductor_device.__file__, __file__):
+    for module in (inductor_device.__file__, __file__, stablehlo.__file__):
         digest.update(Path(module).read_bytes())
     return digest.hexdigest()[:12]
 

@@ -7,6 +7,7 @@ not lower is reported (TorchNeuron would fail to compile it); it still runs on t
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 from typing import Any
 
@@ -44,6 +45,16 @@ def collectives(gm: torch.fx.GraphModule) -> list[str]:
 def available() -> bool:
     """Whether Torch-MLIR is installed."""
     return importlib.util.find_spec("torch_mlir") is not None
+
+
+def version() -> str | None:
+    """The installed Torch-MLIR's version (None without it)."""
+    if not available():
+        return None
+    try:
+        return importlib.metadata.version("torch-mlir")
+    except importlib.metadata.PackageNotFoundError:  # (a build of its own, e.g. TorchNeuron's fork)
+        return "unknown"
 
 
 def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -71,7 +71,9 @@ def start(config: DistributedConfig) -> Any:
     mesh; returns the mesh manager `maybe_distribute_model` takes.
 
     Raises:
-        ConfigurationError: the job's number of processes differs from `tp_size`.
+        ConfigurationError: the job's number of processes differs from `tp_size`, or a rank cannot have a
+            NeuronCore of its own (named, with how it was launched and the fix).
+        RankFailedError: another rank could not select its NeuronCore.
     """
     processes = dist.get_world_size() if dist.is_initialized() else settings.launcher_world_size()
     if processes != config.tp_size:
@@ -84,30 +86,33 @@ def start(config: DistributedConfig) -> Any:
         # The group first: TorchNeuron's setup gives each process its core (NEURON_RT_VISIBLE_CORES) and
         # numbers devices from the local rank; before it, a process launched with one visible core has
         # device 0 only, and set_device(local_rank) fails on every rank but the first.
+        visible = settings.visible_cores()  # (as launched: TorchNeuron's setup sets it when it is not)
         try:
             dist.init_process_group("neuron", timeout=timedelta(seconds=settings.distributed_timeout()))
-        except (RuntimeError, ValueError, AssertionError) as error:  # (TorchNeuron's setup asserts one core a rank)
-            raise _core_error(settings.launcher_rank(), error) from error
-        agree("selecting its NeuronCore", _select_core())
+        except AssertionError as error:
+            if "more than one device per process" not in str(error):  # (TorchNeuron's setup asserts it)
+                raise
+            raise _core_error(settings.launcher_rank(), error, visible) from error
+        agree("selecting its NeuronCore", _select_core(visible))
     _, _, mesh_manager = PreTrainedModel.prepare_distribute_model(config)
     return mesh_manager
 
 
-def _select_core() -> ConfigurationError | None:
+def _select_core(visible: str | None) -> ConfigurationError | None:
     """Makes this rank's core (its local rank's) the current device; returns the error naming the rank,
-    what it sees and the fix, when it cannot."""
+    what it was launched with (`visible`: its NEURON_RT_VISIBLE_CORES) and the fix, when it cannot."""
     try:
         torch.neuron.set_device(settings.launcher_local_rank())
-    except (RuntimeError, ValueError, AssertionError) as error:
-        return _core_error(dist.get_rank(), error)
+    except (RuntimeError, ValueError) as error:
+        return _core_error(dist.get_rank(), error, visible)
     return None
 
 
-def _core_error(rank: int, error: BaseException) -> ConfigurationError:
-    """The error of a rank that cannot have its NeuronCore, with what it sees and the fix."""
+def _core_error(rank: int, error: BaseException, visible: str | None) -> ConfigurationError:
+    """The error of a rank that cannot have a NeuronCore of its own, with how it was launched and the fix."""
     return ConfigurationError(
         f"rank {rank} (local rank {settings.launcher_local_rank()}) cannot have a NeuronCore of its own: "
-        f"{type(error).__name__}: {first_line(error)}. NEURON_RT_VISIBLE_CORES={settings.visible_cores()!r}. "
+        f"{type(error).__name__}: {first_line(error)}. It was launched with NEURON_RT_VISIBLE_CORES={visible!r}. "
         "Launch one process per core with torchrun and leave NEURON_RT_VISIBLE_CORES unset (the process group "
         "gives each rank the core of its local rank), or set it to one core per rank, different on each rank."
     )

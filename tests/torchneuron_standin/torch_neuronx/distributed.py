@@ -14,6 +14,7 @@ runtime starts; it must not have started before.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from datetime import timedelta
@@ -96,10 +97,24 @@ def _as_list(tensors):
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
-def _flat(tensors):
-    if isinstance(tensors, torch.Tensor):
-        return [tensors]
-    return [t for item in tensors for t in _flat(item)]
+def _flat(value):
+    """The tensors in `value` (a tensor, or lists of them; anything else holds none)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _flat(item)]
+    return []
+
+
+def _compiled(collective):
+    """Records the program TorchNeuron would compile (or take from its cache) for each call: one per
+    op, tensor shapes and dtypes, and group."""
+    @functools.wraps(collective)
+    def run(self, *args, **kwargs):
+        signature = tuple((tuple(t.shape), str(t.dtype)) for t in _flat(args))
+        _compiled_collectives.add((collective.__name__, signature, self._group_name))
+        return collective(self, *args, **kwargs)
+    return run
 
 
 class ProcessGroupNeuron(ProcessGroup):
@@ -132,15 +147,10 @@ class ProcessGroupNeuron(ProcessGroup):
     def _device_types(self):
         return [torch.device("neuron")]
 
-    def _program(self, op, *tensors) -> None:
-        """Records the program TorchNeuron would compile (or take from its cache) for this call."""
-        signature = tuple((tuple(t.shape), str(t.dtype)) for t in _flat(tensors))
-        _compiled_collectives.add((op, signature, self._group_name))
-
     # ---- collectives: host copies in, gloo, copies back ----
 
+    @_compiled
     def allreduce(self, tensors, opts=None):
-        self._program('allreduce', tensors)
         tensors = _as_list(tensors)
         if not isinstance(opts, AllreduceOptions):
             reduce_op = opts if opts is not None else dist.ReduceOp.SUM
@@ -151,31 +161,31 @@ class ProcessGroupNeuron(ProcessGroup):
         _copy_back(tensors, hosts)
         return _done(tensors)
 
+    @_compiled
     def allreduce_coalesced(self, tensors, opts=None):
-        self._program('allreduce_coalesced', tensors)
         hosts = _hosts(tensors)
         self._gloo.allreduce_coalesced(hosts, opts or AllreduceCoalescedOptions()).wait()
         _copy_back(tensors, hosts)
         return _done(tensors)
 
+    @_compiled
     def broadcast(self, tensors, opts=None):
-        self._program('broadcast', tensors)
         tensors = _as_list(tensors)
         hosts = _hosts(tensors)
         self._gloo.broadcast(hosts, opts or BroadcastOptions()).wait()
         _copy_back(tensors, hosts)
         return _done(tensors)
 
+    @_compiled
     def reduce(self, tensors, opts=None):
-        self._program('reduce', tensors)
         tensors = _as_list(tensors)
         hosts = _hosts(tensors)
         self._gloo.reduce(hosts, opts or ReduceOptions()).wait()
         _copy_back(tensors, hosts)
         return _done(tensors)
 
+    @_compiled
     def allgather(self, output_tensors, input_tensors, opts=None):
-        self._program('allgather', output_tensors, input_tensors)
         out_hosts = [_hosts(outputs) for outputs in output_tensors]
         self._gloo.allgather(out_hosts, _hosts(input_tensors), opts or AllgatherOptions()).wait()
         for outputs, hosts in zip(output_tensors, out_hosts, strict=True):
@@ -185,8 +195,8 @@ class ProcessGroupNeuron(ProcessGroup):
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         return self.allgather(output_lists, input_list, opts)
 
+    @_compiled
     def _allgather_base(self, output, input, opts=None):
-        self._program('_allgather_base', output, input)
         out_host = _host(output)
         self._gloo._allgather_base(out_host, _host(input), opts or AllgatherOptions()).wait()
         _copy_back([output], [out_host])
@@ -197,16 +207,16 @@ class ProcessGroupNeuron(ProcessGroup):
             self._allgather_base(output, input, opts)
         return _done(outputs)
 
+    @_compiled
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        self._program('reduce_scatter', output_tensors, input_tensors)
         out_hosts = _hosts(output_tensors)
         in_hosts = [_hosts(inputs) for inputs in input_tensors]
         self._gloo.reduce_scatter(out_hosts, in_hosts, opts or ReduceScatterOptions()).wait()
         _copy_back(output_tensors, out_hosts)
         return _done(output_tensors)
 
+    @_compiled
     def _reduce_scatter_base(self, output, input, opts=None):
-        self._program('_reduce_scatter_base', output, input)
         out_host = _host(output)
         self._gloo._reduce_scatter_base(out_host, _host(input), opts or ReduceScatterOptions()).wait()
         _copy_back([output], [out_host])
@@ -217,8 +227,8 @@ class ProcessGroupNeuron(ProcessGroup):
             self._reduce_scatter_base(output, input, opts)
         return _done(outputs)
 
+    @_compiled
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        self._program('alltoall_base', output, input)
         out_host = _host(output)
         self._gloo.alltoall_base(
             out_host, _host(input), output_split_sizes, input_split_sizes, opts or AllToAllOptions()
@@ -226,36 +236,36 @@ class ProcessGroupNeuron(ProcessGroup):
         _copy_back([output], [out_host])
         return _done([output])
 
+    @_compiled
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        self._program('alltoall', output_tensors, input_tensors)
         out_hosts = _hosts(output_tensors)
         self._gloo.alltoall(out_hosts, _hosts(input_tensors), opts or AllToAllOptions()).wait()
         _copy_back(output_tensors, out_hosts)
         return _done(output_tensors)
 
+    @_compiled
     def gather(self, output_tensors, input_tensors, opts=None):
-        self._program('gather', output_tensors, input_tensors)
         out_hosts = [_hosts(outputs) for outputs in output_tensors]
         self._gloo.gather(out_hosts, _hosts(input_tensors), opts or GatherOptions()).wait()
         for outputs, hosts in zip(output_tensors, out_hosts, strict=True):
             _copy_back(outputs, hosts)
         return _done(output_tensors)
 
+    @_compiled
     def scatter(self, output_tensors, input_tensors, opts=None):
-        self._program('scatter', output_tensors, input_tensors)
         out_hosts = _hosts(output_tensors)
         in_hosts = [_hosts(inputs) for inputs in input_tensors]
         self._gloo.scatter(out_hosts, in_hosts, opts or ScatterOptions()).wait()
         _copy_back(output_tensors, out_hosts)
         return _done(output_tensors)
 
+    @_compiled
     def send(self, tensors, dst_rank, tag=0):
-        self._program('send', tensors)
         self._gloo.send(_hosts(tensors), dst_rank, tag).wait()
         return _done(tensors)
 
+    @_compiled
     def recv(self, tensors, src_rank, tag=0):
-        self._program('recv', tensors)
         hosts = _hosts(tensors)
         self._gloo.recv(hosts, src_rank, tag).wait()
         _copy_back(tensors, hosts)

@@ -217,7 +217,6 @@ at::Generator new_generator(c10::DeviceIndex index) {
   return at::make_generator<NeuronGeneratorImpl>(index < 0 ? current_device() : index);
 }
 
-
 namespace {
 
 // ---- hooks ----
