@@ -691,20 +691,13 @@ def test_untested_torch_warns_once(monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_standin_neuron_process_group_runs_collectives_and_the_library_s_messages_compile_none(
-        torchneuron, tmp_path):
-    """The `neuron` c10d backend that multi-core code meets on TorchNeuron: two ranks under torchrun, one core
-    each. Each collective there is a program compiled for its shapes; the library's own messages between ranks
-    (pickled objects of any size) go over gloo and compile none."""
+def test_the_standin_neuron_process_group_runs_collectives_across_processes(torchneuron, tmp_path):
+    # The `neuron` c10d backend that multi-core code meets on TorchNeuron: two ranks under torchrun, one core each.
     script = tmp_path / "ranks.py"
     script.write_text(textwrap.dedent(
         """
         import os, torch, torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch_neuronx.distributed import _compiled_collectives
         import optimum_neuron_torch as ont
-        from optimum_neuron_torch.generation.tensor_parallel import gather_keys, share_random_state
-        from optimum_neuron_torch.loading.tensor_parallel import agree
 
         dist.init_process_group()  # no backend named: `neuron` for the neuron device
         rank = dist.get_rank()
@@ -712,15 +705,8 @@ def test_the_standin_neuron_process_group_runs_collectives_and_the_library_s_mes
         dist.all_reduce(x)
         gathered = torch.empty(6, device="neuron")
         dist.all_gather_into_tensor(gathered, torch.arange(3.0, device="neuron") + 10 * rank)
-        before = len(_compiled_collectives)
-        mesh = init_device_mesh("neuron", (2,))
-        keys = [gather_keys(mesh, {"k" * (rank + 1) * size}) for size in (1, 10, 100)]
-        agree("loading", None)
-        torch.manual_seed(rank)
-        share_random_state(mesh)
         line = (f"{rank} {ont.backend_info().name} {dist.get_default_backend_for_device('neuron')} "
-                f"{torch.neuron.get_device_name(0)} {x.cpu().tolist()} {gathered.cpu().tolist()} "
-                f"{before} {len(_compiled_collectives) - before} {[len(k) for k in keys]} {torch.rand(1).item()}\\n")
+                f"{torch.neuron.get_device_name(0)} {x.cpu().tolist()} {gathered.cpu().tolist()}\\n")
         os.write(1, line.encode())  # one write: the two ranks share stdout
         dist.destroy_process_group()
         """
@@ -729,7 +715,5 @@ def test_the_standin_neuron_process_group_runs_collectives_and_the_library_s_mes
                              str(script), env={"TORCH_NEURONX_STANDIN_CORES": "2"}, timeout=300)
     assert result.returncode == 0, result.stderr[-5000:]
     lines = sorted(result.stdout.strip().splitlines())
-    assert len({line.split()[-1] for line in lines}) == 1  # rank 1 draws what rank 0 draws
-    assert [line.rsplit(" ", 1)[0] for line in lines] == [
-        f"{rank} torchneuron neuron neuron:0 [3.0, 3.0, 3.0] [0.0, 1.0, 2.0, 10.0, 11.0, 12.0] 2 0 [2, 2, 2]"
-        for rank in (0, 1)]
+    assert lines == [f"{rank} torchneuron neuron neuron:0 [3.0, 3.0, 3.0] [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]"
+                     for rank in (0, 1)]

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PreTrainedModel
 
-from .. import object_collectives
 from ..compiler.artifact import compile_environment
 from ..compiler.cache import CompileCache
 from ..device import backend_info
@@ -51,9 +50,7 @@ def save(generation: CompiledGeneration, folder: Path) -> None:
     if first:
         shutil.rmtree(folder / NEURON_COMPILED_DIR, ignore_errors=True)
     if mesh is not None:
-        # The folder is emptied before any rank writes into it. (On the host: TorchNeuron's barrier
-        # exists for the default group only, and a mesh of a larger job is not.)
-        dist.barrier(group=object_collectives.host_group(mesh.get_group()))
+        dist.barrier(group=mesh.get_group())  # (the folder is emptied before any rank writes into it)
     if backend_info().name == "torchneuron":
         spec["torch_cache_artifacts"] = _save_torch_cache_artifacts(folder / _artifacts_file(mesh))
     else:

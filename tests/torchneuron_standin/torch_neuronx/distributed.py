@@ -147,6 +147,15 @@ class ProcessGroupNeuron(ProcessGroup):
     def _device_types(self):
         return [torch.device("neuron")]
 
+    def shutdown(self) -> None:
+        """Stops the stand-in's gloo threads (`destroy_process_group` calls this): a gloo group left to the
+        interpreter's exit (this group held by a DeviceMesh, say) can free tensors from its worker threads
+        after Python has gone, and the process aborts."""
+        self._gloo.shutdown()
+
+    def abort(self) -> None:
+        self._gloo.abort()
+
     # ---- collectives: host copies in, gloo, copies back ----
 
     @_compiled
