@@ -33,6 +33,12 @@ def prefill_and_decode(model, backend, prompt: int, slots: int) -> torch.Tensor:
     """The logits of the prefill and of one decode step (compiled with `backend`, if any), on the CPU."""
     ids = torch.randint(4, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
     cache = StaticCache(config=model.config, max_cache_len=slots)
+    # Allocated on the device before tracing: a cache allocated on first use copies its length from the
+    # host inside the graph, which does not lower (TorchNeuron's backend would refuse the whole graph).
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache.early_initialization(batch_size=1, num_heads=config.num_key_value_heads, head_dim=head_dim,
+                               dtype=model.dtype, device=model.device)
     forward = torch.compile(model, backend=backend, fullgraph=True, dynamic=False) if backend else model
     logits = []
     with torch.no_grad():

@@ -8,7 +8,7 @@ defaults and parsers, and where it keeps its caches.
 | `OPTIMUM_NEURON_TORCH_CACHE` | `$XDG_CACHE_HOME/optimum-neuron-torch` | root of the library's caches |
 | `OPTIMUM_NEURON_TORCH_COMPILE_CACHE` | `<cache root>/compiled` | the compile cache |
 | `OPTIMUM_NEURON_TORCH_DISTRIBUTED_TIMEOUT` | `1800` | seconds a rank waits for the others in a process group the library starts |
-| `OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT` | `0` | refuse graphs TorchNeuron cannot take instead of splitting them |
+| `OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT` | `0` | the library's compiled paths refuse graphs TorchNeuron cannot take instead of splitting them |
 | `OPTIMUM_NEURON_TORCH_DISABLE_LAYER_REUSE` | `0` | compile generation graphs whole instead of a program per distinct layer |
 | `OPTIMUM_NEURON_TORCH_PROFILE` | `torchneuron` | reference device: its support profile (`torchneuron`, `full` or an op list) |
 | `OPTIMUM_NEURON_TORCH_DEVICE_MEMORY` | 24 GiB, capped by the host | reference device: memory per device |

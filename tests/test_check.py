@@ -154,6 +154,10 @@ def test_a_hand_built_module_reports_fallbacks_and_unlowered_ops():
         "aten::argmax.out": {"Zeta": 1}, "aten::special_zeta.out": {"Zeta": 1},
     }
     assert any("zeta" in item.op and "StableHLO" in item.reason for item in report.unlowered_ops), report.unlowered_ops
+    # Compiled as the library's paths compile (split), with what TorchNeuron's own backend would do with it.
+    assert report.compile_error is None
+    assert ("split around torch._C._special.special_zeta, which then run eagerly; TorchNeuron's own "
+            "torch.compile(backend='neuron') refuses such a graph") in report.render()
 
 
 class ZetaOfTwo(torch.nn.Module):

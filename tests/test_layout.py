@@ -12,7 +12,7 @@ PACKAGE = Path(optimum_neuron_torch.__file__).parent
 # The layers, lowest first: a module may import from its own layer's modules listed before it and
 # from lower layers only (README.md, "Layout").
 LAYERS = [
-    ["version", "errors", "host", "settings", "staging", "module_stack"],
+    ["version", "errors", "host", "settings", "object_collectives", "staging", "module_stack"],
     ["device"],
     ["compiler"],
     ["loading"],

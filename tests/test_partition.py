@@ -1,5 +1,7 @@
-"""Compiled graphs that survive: a graph holding nodes TorchNeuron's compiler cannot take is split,
-its supported parts compiled (each a cached graph with its StableHLO), the rest run eagerly."""
+"""Compiled graphs that survive: a graph holding nodes TorchNeuron's compiler cannot take is refused
+by the device's `neuron` backend, as TorchNeuron's refuses it, and split by the library's own
+(`regions.backend`): its supported parts compiled (each a cached graph with its StableHLO), the rest
+run eagerly."""
 
 from __future__ import annotations
 
@@ -9,7 +11,14 @@ import pytest
 import torch
 
 import optimum_neuron_torch
-from optimum_neuron_torch.compiler import CompileCache, FallbackNode, cache_stats, recording_partitions
+from optimum_neuron_torch.compiler import (
+    CompileCache,
+    FallbackNode,
+    cache_stats,
+    partition,
+    recording_partitions,
+    regions,
+)
 from optimum_neuron_torch.compiler.artifact import STABLEHLO_FILE
 from optimum_neuron_torch.compiler.partition import unsupported_by_construction
 from optimum_neuron_torch.errors import UnsupportedGraphError
@@ -56,7 +65,7 @@ def cache(tmp_path, monkeypatch):
 
 def test_an_op_that_does_not_lower_splits_the_graph_into_two_compiled_pieces(cache):
     model = ZetaBetweenLinears()
-    compiled = torch.compile(model.to("neuron"), backend="neuron", fullgraph=True, dynamic=False)
+    compiled = torch.compile(model.to("neuron"), backend=regions.backend, fullgraph=True, dynamic=False)
     x = torch.randn(2, 8)
     optimum_neuron_torch.clear_op_tracking()
     with recording_partitions() as reports, torch.no_grad():
@@ -81,6 +90,22 @@ def test_an_op_that_does_not_lower_splits_the_graph_into_two_compiled_pieces(cac
                 and "stablehlo.dot_general" in (entry.path / STABLEHLO_FILE).read_text())
 
 
+def test_the_device_backend_refuses_such_a_graph_as_torchneuron_s_does_naming_the_nodes(cache):
+    """TorchNeuron's backend compiles a graph whole or fails: so does the reference device's, naming the
+    nodes and the backend that splits around them, and compiling nothing."""
+    for model, named in [(ZetaBetweenLinears(), r"node special_zeta \(torch\._C\._special\.special_zeta\): no "
+                                                r"StableHLO lowering for aten\.special_zeta\.other_scalar"),
+                         (ComplexRotation(), r"node view_as_complex \(torch\.view_as_complex\): complex dtype")]:
+        torch._dynamo.reset()
+        compiled = torch.compile(model.to("neuron"), backend="neuron", fullgraph=True, dynamic=False)
+        with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised, torch.no_grad():
+            compiled(torch.randn(2, 8, device="neuron"))
+        error = raised.value.inner_exception
+        assert isinstance(error, UnsupportedGraphError) and isinstance(error, RuntimeError)
+        assert re.search(named, str(error)) and "optimum_neuron_torch.compiler.regions.backend" in str(error)
+    assert list(cache.entries()) == []
+
+
 def test_a_graph_the_compiler_takes_whole_is_not_split(cache):
     compiled = torch.compile(lambda x, w: torch.relu(x @ w).pow(2), backend="neuron", fullgraph=True, dynamic=False)
     x, w = torch.randn(2, 8), torch.randn(8, 4)
@@ -92,7 +117,7 @@ def test_a_graph_the_compiler_takes_whole_is_not_split(cache):
 
 def test_disabled_splitting_raises_naming_the_op(cache, monkeypatch):
     monkeypatch.setenv(DISABLE_SPLIT_ENV, "1")
-    compiled = torch.compile(ZetaBetweenLinears().to("neuron"), backend="neuron", fullgraph=True, dynamic=False)
+    compiled = torch.compile(ZetaBetweenLinears().to("neuron"), backend=regions.backend, fullgraph=True, dynamic=False)
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
         compiled(torch.randn(2, 8, device="neuron"))
     assert isinstance(raised.value.inner_exception, UnsupportedGraphError)
@@ -104,7 +129,7 @@ def test_disabled_splitting_raises_naming_the_op(cache, monkeypatch):
 
 def test_complex_nodes_are_split_out_and_run_eagerly(cache):
     model = ComplexRotation()
-    compiled = torch.compile(model.to("neuron"), backend="neuron", fullgraph=True, dynamic=False)
+    compiled = torch.compile(model.to("neuron"), backend=regions.backend, fullgraph=True, dynamic=False)
     x = torch.randn(2, 8)
     with recording_partitions() as reports, torch.no_grad(), pytest.warns(UserWarning, match="complex dtype"):
         result = compiled(x.to("neuron"))
@@ -141,6 +166,7 @@ SHARED_ITEM_PROGRAM = """
 import resource, torch
 resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))  # without the check, memory grows without end
 import optimum_neuron_torch
+from optimum_neuron_torch.compiler import regions
 
 class IndexedByRouting(torch.nn.Module):
     # Experts' weights indexed by a routing decision (MoE routers do it), and an op that does not lower.
@@ -155,7 +181,7 @@ class IndexedByRouting(torch.nn.Module):
 
 model, x = IndexedByRouting(), torch.randn(2, 8)
 expected = model(x)
-got = torch.compile(model.to("neuron"), backend="neuron", fullgraph=True, dynamic=False)(x.to("neuron"))
+got = torch.compile(model.to("neuron"), backend=regions.backend, fullgraph=True, dynamic=False)(x.to("neuron"))
 torch.testing.assert_close(got.cpu(), expected, rtol=1e-5, atol=1e-5)
 print("same as the CPU")
 """
@@ -186,7 +212,7 @@ def test_a_split_graph_reads_a_tensor_after_its_in_place_write(cache):
     """The partitioner orders nodes by their inputs alone: a read of the cache must still come
     after the in-place write that precedes it in the graph."""
     model = CacheWriteThenRead()
-    compiled = torch.compile(model, backend="neuron", fullgraph=True, dynamic=False)
+    compiled = torch.compile(model, backend=regions.backend, fullgraph=True, dynamic=False)
     x, position = torch.randn(1, 8), torch.tensor([2])
     expected_cache = torch.zeros(4, 8)
     expected = model(x, expected_cache, position)
@@ -206,9 +232,44 @@ def test_a_graph_reading_a_tensor_after_an_item_assignment_is_not_split(cache):
         cache[2] = x * 2
         return torch.special.zeta(cache * cache + 1.5, 2.0).sum(0) * x
 
-    compiled = torch.compile(write_then_read, backend="neuron", fullgraph=True, dynamic=False)
+    compiled = torch.compile(write_then_read, backend=regions.backend, fullgraph=True, dynamic=False)
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed) as raised:
         compiled(torch.randn(8, device="neuron"), torch.zeros(4, 8, device="neuron"))
     assert isinstance(raised.value.inner_exception, UnsupportedGraphError)
     assert re.search(r"node\(s\) setitem write into a tensor in place without returning it",
                      str(raised.value.inner_exception))
+
+
+def test_the_library_s_backend_splits_a_graph_the_device_backend_refuses(cache):
+    """TorchNeuron's backend compiles a graph whole or fails (it never splits): `compile_or_split`,
+    under the library's compiled paths, splits a graph it refuses around the nodes that do not lower
+    and hands it the pieces; a graph refused for another reason gets the backend's own error."""
+    device_backend = torch._dynamo.backends.registry.lookup_backend("neuron")
+    seen = []
+
+    def whole_or_nothing(gm, example_inputs):  # TorchNeuron's contract: a graph Torch-MLIR cannot lower fails
+        holds_zeta = any(node.target is torch.special.zeta for node in gm.graph.nodes)
+        seen.append("refused" if holds_zeta else "compiled")
+        if holds_zeta:
+            raise RuntimeError("Neuron backend NEFF execution setup failed with unexpected error: special_zeta")
+        return device_backend(gm, example_inputs)
+
+    model, x = ZetaBetweenLinears(), torch.randn(2, 8)
+    with torch.no_grad():
+        expected = model(x)
+        compiled = torch.compile(model.to("neuron"), fullgraph=True, dynamic=False,
+                                 backend=lambda gm, inputs: partition.compile_or_split(gm, inputs, whole_or_nothing))
+        with recording_partitions() as reports, pytest.warns(UserWarning, match="graph split into 2 compiled pieces"):
+            got = compiled(x.to("neuron"))
+    torch.testing.assert_close(got.cpu(), expected)
+    assert seen == ["refused", "compiled", "compiled"]
+    assert [(report.compiled_pieces, report.fallback_nodes) for report in reports] == [(2, [ZETA])]
+
+    def refuses_everything(gm, example_inputs):
+        raise RuntimeError("the device backend's own failure")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x * 2, fullgraph=True, dynamic=False,
+                             backend=lambda gm, inputs: partition.compile_or_split(gm, inputs, refuses_everything))
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="the device backend's own failure"):
+        compiled(torch.ones(2, device="neuron"))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import StaticCache
 
-from optimum_neuron_torch.compiler import cache_stats, regions
+from optimum_neuron_torch.compiler import cache_stats, partition, regions
 from optimum_neuron_torch.settings import COMPILE_CACHE_ENV
 from tiny_models import TINY_MODELS
 
@@ -39,8 +39,8 @@ def prefill_and_decode(model, backend=None) -> tuple[list[torch.Tensor], list[to
 
 
 class CountingBackend:
-    """`regions.compile_regions` with the device's backend, noting the ops of every graph it
-    compiles (when it compiles it: the device's backend may split a graph in place)."""
+    """`regions.backend`, noting the ops of every graph it hands on (when it does: the split around
+    nodes the compiler cannot take, `partition.compile_or_split`, rewrites a graph in place)."""
 
     def __init__(self) -> None:
         self.graphs: list[list[str]] = []
@@ -50,7 +50,7 @@ class CountingBackend:
 
         def compile_graph(graph, inputs):
             self.graphs.append([str(node.target) for node in graph.graph.nodes])
-            return device_backend(graph, inputs)
+            return partition.compile_or_split(graph, inputs, device_backend)
 
         return regions.compile_regions(gm, example_inputs, compile_graph)
 
@@ -101,15 +101,14 @@ def test_layers_whose_code_differs_are_distinct_regions(fresh_cache):
     assert all(key.abs().sum() > 0 for key in keys)
 
 
-def test_the_device_backend_given_a_region_runs_it_eagerly_naming_it(fresh_cache):
-    """As TorchNeuron's compiler cannot take `invoke_subgraph`, the reference device's backend does
-    not compile it: it splits the graph around it (and `regions.backend` never hands it one)."""
+def test_the_device_backend_given_a_region_refuses_it_naming_it(fresh_cache):
+    """As TorchNeuron's backend fails on `invoke_subgraph` (its FxImporter has none), the reference
+    device's backend refuses a graph holding one (and `regions.backend` never hands it one)."""
     model = TINY_MODELS["llama"].build().eval().to("neuron")
-    refused = r"nested compile region \(TorchNeuron's FxImporter has no invoke_subgraph"
-    with regions.repeated_layers_as_regions(model), pytest.warns(UserWarning, match=refused):
-        logits, _ = prefill_and_decode(model, "neuron")
-    torch.testing.assert_close(logits, prefill_and_decode(TINY_MODELS["llama"].build().eval())[0],
-                               rtol=1e-5, atol=1e-5)
+    refused = r"node invoke_subgraph .*nested compile region \(TorchNeuron's FxImporter has no invoke_subgraph"
+    with regions.repeated_layers_as_regions(model), pytest.raises(torch._dynamo.exc.BackendCompilerFailed,
+                                                                  match=refused):
+        prefill_and_decode(model, "neuron")
 
 
 def encode(encoder: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

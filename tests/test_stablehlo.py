@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from optimum_neuron_torch.compiler import CompileCache
+from optimum_neuron_torch.compiler import CompileCache, partition, regions
 from optimum_neuron_torch.compiler.artifact import STABLEHLO_FILE
 from optimum_neuron_torch.generation import Buckets, enable_compiled_generation
 from optimum_neuron_torch.settings import COMPILE_CACHE_ENV as CACHE_ENV
@@ -35,8 +35,26 @@ def test_compiled_generation_graphs_are_kept_with_their_stablehlo(tmp_path, monk
     assert len(layers) >= 2  # a decoder layer (its weights its inputs) in the prefill, another in the decode step
 
 
-def test_a_graph_that_does_not_lower_warns_and_still_runs(tmp_path, monkeypatch):
+def test_a_graph_of_ops_that_do_not_lower_is_refused_by_the_device_backend_and_runs_eagerly_by_the_library_s(
+        tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    zeta = lambda x: torch.special.zeta(x, 2.0)  # noqa: E731
+    x = torch.tensor([2.0, 3.0])
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match="no StableHLO lowering for aten.special_zeta"):
+        torch.compile(zeta, backend="neuron", dynamic=False)(x.to("neuron"))
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="graph split into 0 compiled pieces around 1 op"):
+        result = torch.compile(zeta, backend=regions.backend, dynamic=False)(x.to("neuron"))
+    torch.testing.assert_close(result.cpu(), zeta(x))
+    assert list(CompileCache(tmp_path).entries()) == []  # nothing to compile: the one node runs eagerly
+
+
+def test_a_graph_that_does_not_lower_with_no_node_to_blame_warns_and_still_runs(tmp_path, monkeypatch):
+    # Torch-MLIR failing on the whole graph but on none of its nodes alone (its release may differ from
+    # TorchNeuron's there): the graph is compiled, with the warning, since no node can be named.
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(partition, "failing_to_lower", lambda gm: {})
     torch._dynamo.reset()
     compiled = torch.compile(lambda x: torch.special.zeta(x, 2.0), backend="neuron", dynamic=False)
     x = torch.tensor([2.0, 3.0])

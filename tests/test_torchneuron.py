@@ -304,6 +304,47 @@ def test_repeated_layers_compile_once_each_through_torchneuron_s_backend(torchne
     assert "compiled: 6" in result.stdout, result.stdout
 
 
+def test_a_graph_torchneuron_cannot_compile_is_refused_by_its_backend_and_split_by_the_library_s(torchneuron):
+    """TorchNeuron's backend compiles a graph whole or fails (it never splits); the library's compiled
+    paths (`regions.backend`, what generation and `check()` compile with) split such a graph around the
+    nodes it cannot take and hand TorchNeuron's backend the pieces, as on the reference device."""
+    tests = str(Path(__file__).parent)
+    result = torchneuron.python(
+        f"""
+        import sys, torch, optimum_neuron_torch as ont
+        sys.path.insert(0, {tests!r})
+        from optimum_neuron_torch.compiler import recording_partitions, regions
+        from torch_neuronx.neuron_dynamo_backend import backend as standin
+        from test_partition import ComplexRotation
+
+        model, x = ComplexRotation().eval(), torch.randn(2, 8)
+        with torch.no_grad():
+            expected = model(x)
+            model.to("neuron")
+            try:
+                torch.compile(model, backend="neuron", fullgraph=True)(x.to("neuron"))
+            except Exception as error:
+                print("refused:", type(error).__name__, str(error).splitlines()[1])
+            torch._dynamo.reset()
+            compiled = standin._stats["compiled"]
+            with recording_partitions() as reports:
+                got = torch.compile(model, backend=regions.backend, fullgraph=True)(x.to("neuron"))
+        torch.testing.assert_close(got.cpu(), expected)
+        print("split:", [(report.compiled_pieces, [node.op for node in report.fallback_nodes]) for report in reports],
+              standin._stats["compiled"] - compiled)
+        report = ont.check(ComplexRotation(), (x,))
+        print("check:", report.compile_error, sorted({{op.op for op in report.unlowered_ops}}))
+        """
+    )
+    assert result.returncode == 0, result.stderr[-5000:]
+    assert result.stdout.splitlines() == [
+        "refused: BackendCompilerFailed RuntimeError: Neuron backend NEFF execution setup failed with unexpected "
+        "error: node arg3_1 (arg3_1) computes in torch.complex64, which the Neuron device does not have",
+        "split: [(2, ['torch.view_as_complex', '_operator.mul', 'torch.view_as_real'])] 2",
+        "check: None ['_operator.mul', 'torch.view_as_complex', 'torch.view_as_real']",
+    ]
+
+
 # ---- models ----------------------------------------------------------------------------------------------
 
 def test_sharded_load_compiled_generate_pipeline_and_check(torchneuron, llama):
@@ -691,13 +732,23 @@ def test_untested_torch_warns_once(monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_standin_neuron_process_group_runs_collectives_across_processes(torchneuron, tmp_path):
-    # The `neuron` c10d backend that multi-core code meets on TorchNeuron: two ranks under torchrun, one core each.
+def test_the_standin_neuron_process_group_runs_collectives_and_the_library_s_messages_compile_none(
+        torchneuron, tmp_path):
+    """The `neuron` c10d backend that multi-core code meets on TorchNeuron: two ranks under torchrun, one core
+    each. Each collective there is a program compiled for its shapes; the library's own messages between ranks
+    (pickled objects of any size) go through the rendezvous store: they compile none, leave no key behind, and a
+    rank that never comes is named within the store's timeout."""
     script = tmp_path / "ranks.py"
     script.write_text(textwrap.dedent(
         """
-        import os, torch, torch.distributed as dist
+        import os, datetime, torch, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch_neuronx.distributed import _compiled_collectives
         import optimum_neuron_torch as ont
+        from optimum_neuron_torch import object_collectives
+        from optimum_neuron_torch.errors import RankFailedError
+        from optimum_neuron_torch.generation.tensor_parallel import gather_keys, share_random_state
+        from optimum_neuron_torch.loading.tensor_parallel import agree
 
         dist.init_process_group()  # no backend named: `neuron` for the neuron device
         rank = dist.get_rank()
@@ -705,8 +756,31 @@ def test_the_standin_neuron_process_group_runs_collectives_across_processes(torc
         dist.all_reduce(x)
         gathered = torch.empty(6, device="neuron")
         dist.all_gather_into_tensor(gathered, torch.arange(3.0, device="neuron") + 10 * rank)
+        mesh = init_device_mesh("neuron", (2,))
+        dist.barrier()
+        before = len(_compiled_collectives)
+        keys = [gather_keys(mesh, {"k" * (rank + 1) * size}) for size in (1, 10, 100)]
+        agree("loading", None)
+        torch.manual_seed(rank)
+        share_random_state(mesh)
+        dist.barrier()
+        stores = {dist.distributed_c10d._get_process_group_store(g) for g in (dist.group.WORLD, mesh.get_group())}
+        keys_left = sum(s.check([f"optimum_neuron_torch/{n}/{k}"])
+                        for s in stores for n in range(9) for k in (0, 1, "read"))
+        programs = len(_compiled_collectives) - before
+        store = dist.distributed_c10d._get_process_group_store(mesh.get_group())
+        dist.barrier()  # (both have counted before rank 0 writes again)
+        missing = "-"
+        if rank == 0:  # rank 1 never joins this one
+            store.set_timeout(datetime.timedelta(seconds=2))
+            try:
+                object_collectives.all_gather(rank, mesh.get_group(), "a test exchange")
+            except RankFailedError as error:
+                missing = str(error).replace(" ", "_")
+        dist.barrier()
         line = (f"{rank} {ont.backend_info().name} {dist.get_default_backend_for_device('neuron')} "
-                f"{torch.neuron.get_device_name(0)} {x.cpu().tolist()} {gathered.cpu().tolist()}\\n")
+                f"{torch.neuron.get_device_name(0)} {x.cpu().tolist()} {gathered.cpu().tolist()} "
+                f"{programs} {keys_left} {[len(k) for k in keys]} {missing} {torch.rand(1).item()}\\n")
         os.write(1, line.encode())  # one write: the two ranks share stdout
         dist.destroy_process_group()
         """
@@ -715,5 +789,10 @@ def test_the_standin_neuron_process_group_runs_collectives_across_processes(torc
                              str(script), env={"TORCH_NEURONX_STANDIN_CORES": "2"}, timeout=300)
     assert result.returncode == 0, result.stderr[-5000:]
     lines = sorted(result.stdout.strip().splitlines())
-    assert lines == [f"{rank} torchneuron neuron neuron:0 [3.0, 3.0, 3.0] [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]"
-                     for rank in (0, 1)]
+    assert len({line.split()[-1] for line in lines}) == 1  # rank 1 draws what rank 0 draws
+    assert [line.rsplit(" ", 2)[0] for line in lines] == [
+        f"{rank} torchneuron neuron neuron:0 [3.0, 3.0, 3.0] [0.0, 1.0, 2.0, 10.0, 11.0, 12.0] 0 0 [2, 2, 2]"
+        for rank in (0, 1)]
+    assert lines[0].split()[-2] == "rank_0_waited_2_s_for_rank(s)_[1]_of_its_process_group_at_a_test_exchange:_they" \
+        "_failed_or_stopped_before_it_(see_their_logs)"
+    assert lines[1].split()[-2] == "-"

@@ -142,6 +142,10 @@ class CompatibilityReport:
         graphs += [f"break at {item.location}: {item.reason}" + (f" (x{item.count})" if item.count > 1 else "")
                    for item in self.graph_breaks]
         graphs += [f"compile failed: {self.compile_error}"] if self.compile_error else []
+        split_around = sorted({item.op for item in self.unlowered_ops if item.op != "graph"})
+        graphs += [f"split around {', '.join(split_around)}, which then run eagerly; TorchNeuron's own "
+                   "torch.compile(backend='neuron') refuses such a graph (it never splits): compile your own "
+                   "code with optimum_neuron_torch.compiler.regions.backend"] if split_around else []
         lowering = [self.stablehlo] + [f"{item.op}: {item.reason}" for item in self.unlowered_ops]
         dtypes = [_dtype_line(use) for use in self.dtypes]
         patches = [f"{patch.name}: {patch.description}" for patch in self.patches]
@@ -153,7 +157,8 @@ class CompatibilityReport:
         sections = [
             ("Eager run", [f"failed: {self.eager_error}"] if self.eager_error else ["completed"]),
             ("Ops that fall back to the CPU", fallbacks or ["none"]),
-            ("torch.compile(backend='neuron', fullgraph=True)", graphs or ["not run"]),
+            ("Compiled as generation compiles (fullgraph=True, split where TorchNeuron cannot compile)",
+             graphs or ["not run"]),
             ("StableHLO lowering (Torch-MLIR)", lowering),
             ("Dtypes TorchNeuron narrows or lacks", dtypes or ["none"]),
             ("Ops with value-dependent output shapes (a new compile per shape)", dynamic or ["none"]),

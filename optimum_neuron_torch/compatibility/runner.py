@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoConfig, PreTrainedModel
 
 from .. import modeling
-from ..compiler import CompileCache, artifact, recording_partitions, stablehlo
+from ..compiler import CompileCache, artifact, recording_partitions, regions, stablehlo
 from ..compiler.dynamo_backend import recording_cache_keys
 from ..device import backend_info, clear_op_tracking, fallback_stats, support_profile
 from ..errors import ArgumentTypeError, first_line
@@ -156,8 +156,9 @@ def _graph_breaks(explanation: Any) -> list[GraphBreak]:
 
 
 def _compiled_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityReport) -> None:
-    """Graph breaks (Dynamo's explain), then a `fullgraph=True` compile with the `neuron` backend:
-    the graphs it splits around ops the compiler cannot take, and StableHLO lowering."""
+    """Graph breaks (Dynamo's explain), then a `fullgraph=True` compile as the library's compiled
+    generation compiles (`regions.backend` over the device's `neuron` backend, on both backends): the
+    graphs it splits around ops TorchNeuron's compiler cannot take, and StableHLO lowering."""
     torch._dynamo.reset()
     with torch.no_grad():
         explanation = torch._dynamo.explain(model)(*inputs[0], **inputs[1])
@@ -167,7 +168,7 @@ def _compiled_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityR
     with (recording_cache_keys() as keys, recording_partitions() as partitions, torch.no_grad(),
           _torchneuron_graphs() as received):
         try:
-            torch.compile(model, backend="neuron", fullgraph=not report.graph_breaks)(*inputs[0], **inputs[1])
+            torch.compile(model, backend=regions.backend, fullgraph=not report.graph_breaks)(*inputs[0], **inputs[1])
         except Exception as error:  # the report names the failure (the backend's own, not Dynamo's wrapper)
             error = getattr(error, "inner_exception", None) or error
             report.compile_error = f"{type(error).__name__}: {first_line(error)}"

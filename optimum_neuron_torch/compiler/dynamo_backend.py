@@ -6,8 +6,9 @@ is not registered. On the reference device, `register()` (called when the device
 makes this backend the `neuron` one, and Dynamo's graph goes through AOTAutograd to
 Inductor's C++ code generation on `neuron` tensors, and the result is kept in the persistent
 compile cache: a graph compiled once, by any process, is loaded rather than compiled again. Like
-TorchNeuron, it accepts static shapes only, and compiles every `mode` as the default one. A graph
-holding nodes TorchNeuron's compiler cannot take is split around them (see `partition`).
+TorchNeuron, it accepts static shapes only, compiles every `mode` as the default one, and refuses
+a graph holding nodes TorchNeuron's compiler cannot take (it does not split it: the library's own
+compiled paths do, on both backends, see `partition.compile_or_split`).
 """
 
 from __future__ import annotations
@@ -66,8 +67,16 @@ def register() -> None:
 
 
 def _compile(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any]) -> Callable[..., Any]:
-    """The graph compiled whole when TorchNeuron's compiler can take all of it, else split around
-    the nodes it cannot take; compiled whole again (with the lowering warning) when no part is left."""
+    """The graph compiled whole, or refused as TorchNeuron's backend refuses it: TorchNeuron compiles
+    a graph whole or fails (`neuron_dynamo_backend/backend.py`), it never splits one. Refused: a
+    graph holding nodes TorchNeuron's compiler cannot take by construction, or (with torch-mlir)
+    nodes that do not lower alone. A graph that does not lower although each of its nodes does (no
+    culprit to name: Torch-MLIR's release may differ from TorchNeuron's there) is compiled with the
+    lowering warning. The library's own compiled paths split refused graphs (`partition.compile_or_split`).
+
+    Raises:
+        UnsupportedGraphError: the graph holds nodes TorchNeuron's compiler cannot take (named).
+    """
     unsupported = partition.unsupported_by_construction(gm)
     lowering_failure = None
     if not unsupported:
@@ -75,9 +84,8 @@ def _compile(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[
             return compile_cached(gm, example_inputs, options, strict_lowering=True)
         except LoweringError as error:
             unsupported, lowering_failure = partition.failing_to_lower(gm), str(error)
-    pieces = partition.split(gm, unsupported, lambda piece, inputs: compile_cached(piece, inputs, options))
-    if pieces is not None:
-        return pieces
+    if unsupported:
+        raise partition.refusal(unsupported)
     return compile_cached(gm, example_inputs, options, lowering_failure=lowering_failure)
 
 

@@ -1,21 +1,26 @@
 """Partitioning a compiled graph around the nodes TorchNeuron's compiler cannot take: the parts it
 can take are compiled (each one a cached graph with its own StableHLO), the rest runs eagerly on
 the device between them (through the device's counted fallback path where an op is not native),
-instead of the whole graph failing as it would on TorchNeuron.
+instead of the whole graph failing as it does under TorchNeuron's backend, which compiles a graph
+whole or not at all. The library's own compiled paths (`regions.backend`: compiled generation, the
+server, `check()`) split this way on both backends (`compile_or_split`); the device's `neuron`
+backend itself refuses such a graph on both (`refusal`), as TorchNeuron's does.
 
 A node is unsupported when
 - TorchNeuron's compiler cannot take it by construction: a complex, sparse or float64 tensor goes
   in or out, or a shape depends on data (nonzero, unique, masked_select...: Dynamo gives such
   values unbacked symbolic sizes, which static-shape graphs cannot have);
-- with the `stablehlo` extra (torch-mlir): it does not lower to StableHLO. The backend lowers the
-  whole graph anyway; only when that fails is each distinct node lowered alone, to find the culprits.
+- with torch-mlir (the `stablehlo` extra; TorchNeuron's own on Trn): it does not lower to
+  StableHLO. The backend lowers the whole graph first; only when that fails is each distinct node
+  lowered alone, to find the culprits.
 Without torch-mlir only the first rule applies: a graph that would not lower is compiled whole.
 
 The eager op list (`torchneuron_native_ops.txt`) is not the criterion: TorchNeuron's compiler
 lowers whatever Torch-MLIR lowers (`pow` in RMSNorm compiles, although no eager kernel exists).
 
-`OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT=1` refuses to split, as TorchNeuron 2.33 refuses to run
-such a graph (`TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION`): the backend raises naming the nodes.
+`OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT=1` makes the library's paths refuse to split too, as
+TorchNeuron 2.33 refuses to run such a graph (`TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION`): they
+raise naming the nodes.
 """
 
 from __future__ import annotations
@@ -225,6 +230,23 @@ def _index_by_tensors_as_calls(gm: torch.fx.GraphModule) -> None:
         gm.recompile()
 
 
+def _listed(unsupported: dict[torch.fx.Node, str]) -> str:
+    return "; ".join(f"node {node.name} ({_op_name(node)}): {reason}" for node, reason in unsupported.items())
+
+
+def refusal(unsupported: dict[torch.fx.Node, str]) -> UnsupportedGraphError:
+    """The error of the device's `neuron` backend for a graph holding `unsupported` nodes: TorchNeuron
+    compiles a graph whole or fails (a lowering error is "Neuron backend NEFF execution setup
+    failed"), so the reference device fails there too, naming the nodes."""
+    return UnsupportedGraphError(
+        f"Neuron backend: TorchNeuron's compiler cannot take {len(unsupported)} node(s) of this graph "
+        f"({_listed(unsupported)}), and its backend compiles a graph whole or not at all. Compile with "
+        "optimum_neuron_torch.compiler.regions.backend, which splits the graph around them (as the library's "
+        "compiled generation does), keep them out of the compiled code, or rewrite or patch the model so that "
+        "they lower."
+    )
+
+
 def _cannot_split(listed: str, count: int, why: str) -> UnsupportedGraphError:
     return UnsupportedGraphError(
         f"This graph holds {count} node(s) TorchNeuron's compiler cannot take ({listed}), and it cannot be split "
@@ -282,21 +304,22 @@ def split(gm: torch.fx.GraphModule, unsupported: dict[torch.fx.Node, str],
           apart: set[torch.fx.Node] = frozenset()) -> torch.fx.GraphModule | None:
     """`gm` with each supported part fused into a submodule compiled by `compile_piece(piece,
     example_inputs)` and the unsupported nodes left to run eagerly, as are the nodes `apart`
-    (which run compiled already: the calls of compiled regions, see `regions`); None when there is
-    nothing to split at or no part to compile. Raises `UnsupportedGraphError` when splitting
-    around unsupported nodes is disabled."""
+    (which run compiled already: the calls of compiled regions, see `regions`). None when there is
+    nothing to split at, or only nodes `apart` and no part to compile; `gm` itself, run eagerly, when
+    every computing node is unsupported. Raises `UnsupportedGraphError` when splitting around
+    unsupported nodes is disabled."""
     fallback = [FallbackNode(node.name, _op_name(node), reason) for node, reason in unsupported.items()]
     if not fallback and not apart:
         return None
     if fallback and graph_split_disabled():
-        listed = "; ".join(f"node {item.node} ({item.op}): {item.reason}" for item in fallback)
+        listed = _listed(unsupported)
         raise UnsupportedGraphError(
             f"This graph holds {len(fallback)} node(s) TorchNeuron's compiler cannot take, "
             f"and {DISABLE_GRAPH_SPLIT_ENV}=1 "
             f"refuses to split it: {listed}. Rewrite or patch the model around these ops, keep them out of the "
             f"compiled region, or unset {DISABLE_GRAPH_SPLIT_ENV} to run them eagerly between compiled pieces."
         )
-    listed = "; ".join(f"node {item.node} ({item.op}): {item.reason}" for item in fallback) or "none"
+    listed = _listed(unsupported) or "none"
     _index_by_tensors_as_calls(gm)
     shared_items = [node.name for node in gm.graph.nodes if len(_item_sources(node)) > 1]
     if shared_items:
@@ -310,10 +333,11 @@ def split(gm: torch.fx.GraphModule, unsupported: dict[torch.fx.Node, str],
     partitioner = CapabilityBasedPartitioner(gm, _Supported({*unsupported, *apart}), allows_single_node_partition=True)
     order = {node: index for index, node in enumerate(gm.graph.nodes)}
     partitions = sorted(partitioner.propose_partitions(), key=lambda partition: min(map(order.get, partition.nodes)))
-    if not partitions:
+    if not partitions and not fallback:
         return None
-    parent = fuse_by_partitions(gm, [partition.nodes for partition in partitions], prefix=PIECE_PREFIX,
-                                always_return_tuple=True)  # compiled graphs return their outputs as a list
+    parent = gm if not partitions else fuse_by_partitions(  # (no part to compile: the graph runs eagerly)
+        gm, [partition.nodes for partition in partitions], prefix=PIECE_PREFIX,
+        always_return_tuple=True)  # compiled graphs return their outputs as a list
     for node in parent.graph.find_nodes(op="call_module"):
         if node.target.startswith(PIECE_PREFIX):
             piece = getattr(parent, node.target)
@@ -328,3 +352,42 @@ def split(gm: torch.fx.GraphModule, unsupported: dict[torch.fx.Node, str],
     for reports in _recorders:
         reports.append(report)
     return parent
+
+
+def compile_or_split(gm: torch.fx.GraphModule, example_inputs: list[Any],
+                     compile_graph: Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
+                     ) -> Callable[..., Any]:
+    """`gm` compiled by `compile_graph` (the device's `neuron` backend), split around the nodes
+    TorchNeuron's compiler cannot take when there are any: what the library's own compiled paths
+    (`regions.backend`) do on both backends.
+
+    TorchNeuron's backend compiles a graph whole or fails (a graph Torch-MLIR does not lower fails
+    at compile time: `neuron_dynamo_backend/backend.py`, "Neuron backend NEFF execution setup
+    failed"); it never splits. So a graph holding nodes unsupported by construction is split before
+    the backend sees it, and a graph the backend refuses is split around the nodes that do not lower
+    alone (with torch-mlir: the `stablehlo` extra, or TorchNeuron's own), each piece compiled by the
+    backend. The reference device's backend refuses such a graph as TorchNeuron's does (see
+    `dynamo_backend`), so this runs the same way on both.
+
+    Args:
+        gm: a Dynamo graph.
+        example_inputs: its example inputs.
+        compile_graph: the backend compiling the graph or each piece (a Dynamo backend's signature).
+
+    Returns:
+        The callable running `gm`.
+
+    Raises:
+        UnsupportedGraphError: splitting is disabled (`OPTIMUM_NEURON_TORCH_DISABLE_GRAPH_SPLIT=1`)
+            and the graph holds such nodes.
+        Exception: the backend's own error, when it refuses a graph with no node to split around.
+    """
+    unsupported = unsupported_by_construction(gm)
+    if not unsupported:
+        try:
+            return compile_graph(gm, example_inputs)
+        except Exception:
+            unsupported = failing_to_lower(gm) if stablehlo.available() else {}
+            if not unsupported:
+                raise
+    return split(gm, unsupported, compile_graph)

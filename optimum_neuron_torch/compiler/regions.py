@@ -15,7 +15,8 @@ roughly by the number of repeated layers, and equal layers are one entry of the 
 key is the code and the input shapes, not the weights). The cost is one program launch per layer
 instead of one per step.
 
-A graph without regions goes to the device's backend unchanged. `repeated_layers_as_regions(model)`
+A graph without regions goes to the device's backend whole (split only around the nodes TorchNeuron's
+compiler cannot take, see `partition.compile_or_split`). `repeated_layers_as_regions(model)`
 marks a model's repeated layers (scoped: the marks go when the block ends); `compile_by_layer` is
 `torch.compile` of a function of the model that marks them around each call, what compiled
 generation and the server compile their steps with.
@@ -108,9 +109,16 @@ def compile_regions(gm: torch.fx.GraphModule, example_inputs: list[Any], compile
 
 def backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Callable[..., Any]:
     """A Dynamo backend: `gm` compiled a region at a time by the device's `neuron` backend (given
-    `kwargs`, e.g. `options`), see `compile_regions`."""
+    `kwargs`, e.g. `options`), see `compile_regions`, each part split around the nodes TorchNeuron's
+    compiler cannot take (`partition.compile_or_split`). The backend of the library's own compiled
+    paths, on both backends."""
     device_backend = lookup_backend(DEVICE_BACKEND)
-    return compile_regions(gm, example_inputs, lambda graph, inputs: device_backend(graph, inputs, **kwargs))
+
+    def compile_graph(graph: torch.fx.GraphModule, inputs: list[Any]) -> Callable[..., Any]:
+        return partition.compile_or_split(graph, inputs, lambda piece, examples: device_backend(piece, examples,
+                                                                                                **kwargs))
+
+    return compile_regions(gm, example_inputs, compile_graph)
 
 
 def compile_by_layer(function: Callable[..., Any], *, whole_because: str | None = None,
@@ -184,7 +192,9 @@ class LayerwiseCompiled:
         return self._whole(model, *args, **kwargs)
 
     def _compiled_whole(self) -> Callable[..., Any]:
-        return PrecompiledFunction(self.function, self.options, backend=DEVICE_BACKEND)
+        # (by `backend` too: a graph without regions goes to the device's backend whole, split only
+        # around what it cannot take, see `partition.compile_or_split`)
+        return PrecompiledFunction(self.function, self.options, backend=f"{__name__}:backend")
 
 
 def repeated_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -19,10 +19,10 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PreTrainedModel
 
+from .. import object_collectives
 from ..compiler.artifact import compile_environment
 from ..compiler.cache import CompileCache
 from ..device import backend_info
@@ -50,7 +50,8 @@ def save(generation: CompiledGeneration, folder: Path) -> None:
     if first:
         shutil.rmtree(folder / NEURON_COMPILED_DIR, ignore_errors=True)
     if mesh is not None:
-        dist.barrier(group=mesh.get_group())  # (the folder is emptied before any rank writes into it)
+        # The folder is emptied before any rank writes into it.
+        object_collectives.barrier(mesh.get_group(), "saving compiled graphs")
     if backend_info().name == "torchneuron":
         spec["torch_cache_artifacts"] = _save_torch_cache_artifacts(folder / _artifacts_file(mesh))
     else:

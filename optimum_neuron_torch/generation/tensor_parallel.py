@@ -9,10 +9,11 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
+
+from .. import object_collectives
 
 
 def tensor_parallel_mesh(model: PreTrainedModel) -> DeviceMesh | None:
@@ -37,19 +38,18 @@ def share_random_state(mesh: DeviceMesh) -> None:
     (which DTensor's random ops move), so that sampling draws the same tokens everywhere: ranks that
     sampled apart would feed the collectives different sequences. Under `torch.manual_seed(s)` on
     every rank this changes nothing."""
-    states = [(torch.neuron.get_rng_state(), torch.get_rng_state())]
-    dist.broadcast_object_list(states, group_src=0, group=mesh.get_group())
-    torch.neuron.set_rng_state(states[0][0])
-    torch.set_rng_state(states[0][1])
+    device_state, host_state = object_collectives.broadcast(
+        (torch.neuron.get_rng_state(), torch.get_rng_state()), mesh.get_group(), "sharing random states"
+    )
+    torch.neuron.set_rng_state(device_state)
+    torch.set_rng_state(host_state)
 
 
 def gather_keys(mesh: DeviceMesh | None, keys: set[str]) -> list[str]:
     """The compile-cache keys of every rank's graphs (each rank's own: see the module's docstring)."""
     if mesh is None:
         return sorted(keys)
-    everyone: list[set[str] | None] = [None] * mesh.size()
-    dist.all_gather_object(everyone, keys, group=mesh.get_group())
-    return sorted(set().union(*everyone))
+    return sorted(set().union(*object_collectives.all_gather(keys, mesh.get_group(), "gathering compile-cache keys")))
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.distributed import DistributedConfig
 from transformers.distributed.sharding_utils import DtensorShardOperation
 
-from .. import settings
+from .. import object_collectives, settings
 from ..errors import ConfigurationError, RankFailedError, UnsupportedModelError, first_line
 
 # Config attributes whose value the tensor-parallel degree must divide: attention heads are split
@@ -211,8 +211,7 @@ def agree(step: str, error: BaseException | None) -> None:
             raise error
         return
     outcome = None if error is None else f"{type(error).__name__}: {first_line(error)}"
-    outcomes: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, outcome)
+    outcomes = object_collectives.all_gather(outcome, what=step)
     if error is not None:
         raise error
     failed = {rank: outcome for rank, outcome in enumerate(outcomes) if outcome is not None}

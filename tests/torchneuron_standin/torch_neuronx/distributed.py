@@ -3,8 +3,10 @@
 `init_process_group("neuron")` creates a `ProcessGroupNeuron`, a Python `ProcessGroup` as TorchNeuron's
 is. Each collective copies its device tensors to the CPU, runs the same collective on a gloo process
 group created over the same store, and copies the results back; the work it returns is complete.
-As TorchNeuron's, its barrier exists for the default group only (`distributed/backend.py`, `barrier`:
-NotImplementedError).
+TorchNeuron runs each collective as an XLA program compiled for its op, shapes and dtypes and cached
+by them (`python_ops/xla_builder/kernel.py`, `_generate_cache_key`, `_get_or_compile_neff`): the
+programs a process would compile are recorded in `_compiled_collectives` (for tests). Its barrier
+exists for the default group only (`distributed/backend.py`, `barrier`: NotImplementedError).
 The first process group sets the process up as TorchNeuron does: one NeuronCore per process
 (NEURON_RT_VISIBLE_CORES=LOCAL_RANK unless set), NEURON_RT_ROOT_COMM_ID from the store, then the
 runtime starts; it must not have started before.
@@ -12,6 +14,7 @@ runtime starts; it must not have started before.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from datetime import timedelta
@@ -37,6 +40,9 @@ from torch.distributed.constants import default_pg_timeout
 import torch_neuronx
 
 _WORLD_SIZE = None
+
+# (op, ((shape, dtype), ...), group name) of every collective program TorchNeuron would have compiled.
+_compiled_collectives: set = set()
 
 
 def _free_port() -> int:
@@ -91,6 +97,26 @@ def _as_list(tensors):
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
+def _flat(value):
+    """The tensors in `value` (a tensor, or lists of them; anything else holds none)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _flat(item)]
+    return []
+
+
+def _compiled(collective):
+    """Records the program TorchNeuron would compile (or take from its cache) for each call: one per
+    op, tensor shapes and dtypes, and group."""
+    @functools.wraps(collective)
+    def run(self, *args, **kwargs):
+        signature = tuple((tuple(t.shape), str(t.dtype)) for t in _flat(args))
+        _compiled_collectives.add((collective.__name__, signature, self._group_name))
+        return collective(self, *args, **kwargs)
+    return run
+
+
 class ProcessGroupNeuron(ProcessGroup):
     """The `neuron` process group: collectives of neuron (or CPU) tensors, computed by gloo on the host."""
 
@@ -132,6 +158,7 @@ class ProcessGroupNeuron(ProcessGroup):
 
     # ---- collectives: host copies in, gloo, copies back ----
 
+    @_compiled
     def allreduce(self, tensors, opts=None):
         tensors = _as_list(tensors)
         if not isinstance(opts, AllreduceOptions):
@@ -143,12 +170,14 @@ class ProcessGroupNeuron(ProcessGroup):
         _copy_back(tensors, hosts)
         return _done(tensors)
 
+    @_compiled
     def allreduce_coalesced(self, tensors, opts=None):
         hosts = _hosts(tensors)
         self._gloo.allreduce_coalesced(hosts, opts or AllreduceCoalescedOptions()).wait()
         _copy_back(tensors, hosts)
         return _done(tensors)
 
+    @_compiled
     def broadcast(self, tensors, opts=None):
         tensors = _as_list(tensors)
         hosts = _hosts(tensors)
@@ -156,6 +185,7 @@ class ProcessGroupNeuron(ProcessGroup):
         _copy_back(tensors, hosts)
         return _done(tensors)
 
+    @_compiled
     def reduce(self, tensors, opts=None):
         tensors = _as_list(tensors)
         hosts = _hosts(tensors)
@@ -163,6 +193,7 @@ class ProcessGroupNeuron(ProcessGroup):
         _copy_back(tensors, hosts)
         return _done(tensors)
 
+    @_compiled
     def allgather(self, output_tensors, input_tensors, opts=None):
         out_hosts = [_hosts(outputs) for outputs in output_tensors]
         self._gloo.allgather(out_hosts, _hosts(input_tensors), opts or AllgatherOptions()).wait()
@@ -173,6 +204,7 @@ class ProcessGroupNeuron(ProcessGroup):
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         return self.allgather(output_lists, input_list, opts)
 
+    @_compiled
     def _allgather_base(self, output, input, opts=None):
         out_host = _host(output)
         self._gloo._allgather_base(out_host, _host(input), opts or AllgatherOptions()).wait()
@@ -184,6 +216,7 @@ class ProcessGroupNeuron(ProcessGroup):
             self._allgather_base(output, input, opts)
         return _done(outputs)
 
+    @_compiled
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         out_hosts = _hosts(output_tensors)
         in_hosts = [_hosts(inputs) for inputs in input_tensors]
@@ -191,6 +224,7 @@ class ProcessGroupNeuron(ProcessGroup):
         _copy_back(output_tensors, out_hosts)
         return _done(output_tensors)
 
+    @_compiled
     def _reduce_scatter_base(self, output, input, opts=None):
         out_host = _host(output)
         self._gloo._reduce_scatter_base(out_host, _host(input), opts or ReduceScatterOptions()).wait()
@@ -202,6 +236,7 @@ class ProcessGroupNeuron(ProcessGroup):
             self._reduce_scatter_base(output, input, opts)
         return _done(outputs)
 
+    @_compiled
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         out_host = _host(output)
         self._gloo.alltoall_base(
@@ -210,12 +245,14 @@ class ProcessGroupNeuron(ProcessGroup):
         _copy_back([output], [out_host])
         return _done([output])
 
+    @_compiled
     def alltoall(self, output_tensors, input_tensors, opts=None):
         out_hosts = _hosts(output_tensors)
         self._gloo.alltoall(out_hosts, _hosts(input_tensors), opts or AllToAllOptions()).wait()
         _copy_back(output_tensors, out_hosts)
         return _done(output_tensors)
 
+    @_compiled
     def gather(self, output_tensors, input_tensors, opts=None):
         out_hosts = [_hosts(outputs) for outputs in output_tensors]
         self._gloo.gather(out_hosts, _hosts(input_tensors), opts or GatherOptions()).wait()
@@ -223,6 +260,7 @@ class ProcessGroupNeuron(ProcessGroup):
             _copy_back(outputs, hosts)
         return _done(output_tensors)
 
+    @_compiled
     def scatter(self, output_tensors, input_tensors, opts=None):
         out_hosts = _hosts(output_tensors)
         in_hosts = [_hosts(inputs) for inputs in input_tensors]
@@ -230,10 +268,12 @@ class ProcessGroupNeuron(ProcessGroup):
         _copy_back(output_tensors, out_hosts)
         return _done(output_tensors)
 
+    @_compiled
     def send(self, tensors, dst_rank, tag=0):
         self._gloo.send(_hosts(tensors), dst_rank, tag).wait()
         return _done(tensors)
 
+    @_compiled
     def recv(self, tensors, src_rank, tag=0):
         hosts = _hosts(tensors)
         self._gloo.recv(hosts, src_rank, tag).wait()

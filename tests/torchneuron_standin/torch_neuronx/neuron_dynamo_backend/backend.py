@@ -73,10 +73,22 @@ def _has_collectives(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
+def _refuse_what_torchneuron_cannot_lower(gm: torch.fx.GraphModule) -> None:
+    """TorchNeuron compiles a graph whole or fails at compile time (`backend.py`,
+    `neuron_backend_fx_compiler`: any error of the lowering becomes "Neuron backend NEFF execution setup
+    failed"), and the Neuron device has no complex dtype: a graph computing in one fails there."""
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.is_complex():
+            raise RuntimeError(f"Neuron backend NEFF execution setup failed with unexpected error: node {node.name} "
+                               f"({node.target}) computes in {value.dtype}, which the Neuron device does not have")
+
+
 def _make_fw_compiler(options: dict):
     def neuron_backend_fx_compiler(gm: torch.fx.GraphModule, example_inputs):
         """Looks the graph up in the NEFF cache, "compiles" it on a miss, and runs it eagerly."""
         start = time.perf_counter_ns()
+        _refuse_what_torchneuron_cannot_lower(gm)
         key = _graph_key(gm, example_inputs)
         passes_done = time.perf_counter_ns()
         if _neff_cache.get(key) is None:
