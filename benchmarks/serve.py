@@ -7,7 +7,9 @@ starts it; the startup time is printed (ours compiles, or loads from the compile
 before /health turns ready). A bounded asyncio client (httpx, server-sent events) then holds
 `c` chat requests in flight, for c in 1, 4, 8, 16: each of the `c` workers sends requests one after
 another (greedy, `max_tokens` new tokens, prompts of several lengths, the same for both servers),
-`max(2c, 8)` in all. Measured: time to first token (request sent -> first chunk with text),
+`max(2c, 8)` in all; with `--long-every N`, every Nth request asks about a document of
+`--long-tokens` tokens (2,000 by default: a long prefill, which the server cuts into chunks
+between the decode steps of the others). Measured: time to first token (request sent -> first chunk with text),
 inter-token latency (the gaps between the chunks of text of a request, p50 and p99) and aggregate
 output tokens/s (completion tokens, as the server's usage counts them, over the wall time).
 
@@ -22,8 +24,12 @@ And the rate at which the CPU's BLAS gets through the weights in a product of 1 
 decode step of 1 and 8 sequences does to each weight matrix): on the reference device, where the
 device is this CPU, the limit a batch-8 step meets first.
 
+Each `--library-args` (repeatable) runs this library's server once more with those arguments (e.g.
+`--library-args "--prompt-buckets 16,64"`: chunks of 64 prompt tokens a turn), in the same run.
+
 Usage:
     python benchmarks/serve.py [--concurrency 1,4,8,16] [--max-tokens 64] [--soak 500] [--skip-transformers]
+                               [--long-every 4] [--long-tokens 2000] [--library-args ARGS]...
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -86,6 +93,26 @@ def stop(process: subprocess.Popen) -> int:
         return process.wait()
 
 
+def long_question(folder: str, tokens: int) -> str:
+    """A question about a document, `tokens` tokens long once the chat template is applied."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    words = " ".join(QUESTIONS).split() * (tokens // 20 + 1)
+    ask = "Summarize the text above in one sentence."
+
+    def length(count: int) -> int:
+        text = " ".join(words[:count]) + "\n" + ask
+        return len(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=True, return_dict=True)["input_ids"])
+
+    low, high = 1, len(words)
+    while low < high:  # (the most words whose prompt is at most `tokens` tokens)
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if length(middle) <= tokens else (low, middle - 1)
+    return " ".join(words[:low]) + "\n" + ask
+
+
 async def one_request(http: httpx.AsyncClient, model: str, question: str, max_tokens: int) -> dict:
     """One streamed chat request: its time to first token, gaps between chunks of text, tokens."""
     body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
@@ -109,18 +136,23 @@ async def one_request(http: httpx.AsyncClient, model: str, question: str, max_to
             "tokens": tokens if tokens is not None else len(arrivals)}
 
 
-async def load(url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> dict:
-    """`requests` requests from `concurrency` workers; the measurements and the failures."""
-    queue: asyncio.Queue[str] = asyncio.Queue()
+async def load(url: str, model: str, concurrency: int, requests: int, max_tokens: int, long: str | None = None,
+               long_every: int = 0, long_max_tokens: int = 32) -> dict:
+    """`requests` requests from `concurrency` workers (every `long_every`th one the `long` question,
+    answered in `long_max_tokens` tokens); the measurements and the failures."""
+    queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
     for index in range(requests):
-        queue.put_nowait(QUESTIONS[index % len(QUESTIONS)])
+        if long is not None and long_every and index % long_every == long_every - 1:
+            queue.put_nowait((long, long_max_tokens))
+        else:
+            queue.put_nowait((QUESTIONS[index % len(QUESTIONS)], max_tokens))
     results, failures = [], []
 
     async def worker(http: httpx.AsyncClient) -> None:
         while not queue.empty():
-            question = queue.get_nowait()
+            question, tokens = queue.get_nowait()
             try:
-                results.append(await one_request(http, model, question, max_tokens))
+                results.append(await one_request(http, model, question, tokens))
             except Exception as error:
                 failures.append(f"{type(error).__name__}: {error}")
 
@@ -138,11 +170,11 @@ async def load(url: str, model: str, concurrency: int, requests: int, max_tokens
     }
 
 
-def sweep(url: str, model: str, concurrencies: list[int], max_tokens: int) -> dict[int, dict]:
+def sweep(url: str, model: str, concurrencies: list[int], max_tokens: int, **mix) -> dict[int, dict]:
     asyncio.run(load(url, model, 1, 1, 8))  # (a first request: warms the client and the server's code paths)
     rows = {}
     for concurrency in concurrencies:
-        rows[concurrency] = asyncio.run(load(url, model, concurrency, max(2 * concurrency, 8), max_tokens))
+        rows[concurrency] = asyncio.run(load(url, model, concurrency, max(2 * concurrency, 8), max_tokens, **mix))
         print(f"  c={concurrency:<3} {json.dumps(rows[concurrency])}", flush=True)
     return rows
 
@@ -177,6 +209,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--soak", type=int, default=500)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--long-every", type=int, default=0, help="every Nth request is a long prompt (0: none)")
+    parser.add_argument("--long-tokens", type=int, default=2000)
+    parser.add_argument("--library-args", action="append", default=[],
+                        help="run the library's server once more with these arguments (repeatable)")
     args = parser.parse_args()
     concurrencies = [int(value) for value in args.concurrency.split(",")]
 
@@ -185,6 +221,10 @@ def main() -> None:
     folder = str(default_model_path())
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
     print(f"model: {folder}; threads: {torch.get_num_threads()}; max_tokens {args.max_tokens}", flush=True)
+    mix = {}
+    if args.long_every:
+        mix = {"long": long_question(folder, args.long_tokens), "long_every": args.long_every}
+        print(f"every {args.long_every}th request: a prompt of {args.long_tokens} tokens, 32 new tokens", flush=True)
     bandwidth = read_bandwidth()
     weights = sum(path.stat().st_size for path in Path(folder).glob("*.safetensors"))
     steps = bandwidth / weights
@@ -197,21 +237,24 @@ def main() -> None:
               f"{rows * rate / weights:.0f} output tokens/s at batch {rows}", flush=True)
 
     table = {}
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    process, startup = start([sys.executable, "-m", "optimum.commands.optimum_cli", "neuron-torch", "serve",
-                              "--port", str(port)], url, logs / "serve-library.log")
-    print(f"library: ready after {startup:.1f} s (log: {logs / 'serve-library.log'})", flush=True)
-    try:
-        table["library"] = sweep(url, "SmolLM2-135M-Instruct", concurrencies, args.max_tokens)
-        if args.soak:
-            before = httpx.get(url + "/health").json()["device_memory_allocated"]
-            soak = asyncio.run(load(url, "SmolLM2-135M-Instruct", 16, args.soak, 16))
-            after = httpx.get(url + "/health").json()["device_memory_allocated"]
-            print(f"soak: {soak['requests']} answered, {soak['failed']} failed {soak['failures']}; device memory "
-                  f"{before} -> {after} bytes", flush=True)
-    finally:
-        print(f"library: exit status after SIGTERM {stop(process)}", flush=True)
+    for index, extra in enumerate(["", *args.library_args]):
+        name = f"library {extra}".strip()
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        log = logs / f"serve-library-{index}.log"
+        process, startup = start([sys.executable, "-m", "optimum.commands.optimum_cli", "neuron-torch", "serve",
+                                  "--port", str(port), *shlex.split(extra)], url, log)
+        print(f"{name}: ready after {startup:.1f} s (log: {log})", flush=True)
+        try:
+            table[name] = sweep(url, "SmolLM2-135M-Instruct", concurrencies, args.max_tokens, **mix)
+            if args.soak and not index:
+                before = httpx.get(url + "/health").json()["device_memory_allocated"]
+                soak = asyncio.run(load(url, "SmolLM2-135M-Instruct", 16, args.soak, 16))
+                after = httpx.get(url + "/health").json()["device_memory_allocated"]
+                print(f"soak: {soak['requests']} answered, {soak['failed']} failed {soak['failures']}; device "
+                      f"memory {before} -> {after} bytes", flush=True)
+        finally:
+            print(f"{name}: exit status after SIGTERM {stop(process)}", flush=True)
 
     if not args.skip_transformers:
         port = free_port()
@@ -220,7 +263,7 @@ def main() -> None:
                                   "--port", str(port)], url, logs / "serve-transformers.log")
         print(f"transformers serve: ready after {startup:.1f} s", flush=True)
         try:
-            table["transformers"] = sweep(url, folder, concurrencies, args.max_tokens)
+            table["transformers"] = sweep(url, folder, concurrencies, args.max_tokens, **mix)
         finally:
             stop(process)
 
@@ -231,17 +274,19 @@ def main() -> None:
         for name, rows in table.items():
             row = rows[concurrency]
             ratio = ""
-            if name == "library" and "transformers" in table:
+            if name.startswith("library") and "transformers" in table:
                 ratio = f"{row['tokens_per_s'] / table['transformers'][concurrency]['tokens_per_s']:.2f}x"
             print(f"| {concurrency} | {name} | {row['ttft_p50_ms']:.0f} | {row['itl_p50_ms']:.1f} | "
                   f"{row['itl_p99_ms']:.1f} | {row['tokens_per_s']:.1f} | {ratio} |")
-    ours = table["library"]
-    if 1 in ours and 8 in ours:
-        print(f"\nlibrary: tokens/s c8 / c1 = {ours[8]['tokens_per_s'] / ours[1]['tokens_per_s']:.2f} (target >= 3); "
-              f"ITL p99 c8 / c1 = {ours[8]['itl_p99_ms'] / ours[1]['itl_p99_ms']:.2f} (target <= 2); "
-              f"c8 tokens/s / read-bandwidth limit = {ours[8]['tokens_per_s'] / (8 * steps):.2f}, / BLAS batch-8 "
-              f"limit = {ours[8]['tokens_per_s'] / (8 * blas[8] / weights):.2f}")
-
+    floor = blas[1] / blas[8]  # (a batch-8 step's time over a batch-1 step's, reading the weights as BLAS does)
+    print(f"\nphysical limit (BLAS): a batch-8 decode step takes {floor:.2f}x a batch-1 step, so ITL p99 c8 / c1 "
+          f">= {floor:.2f} and tokens/s c8 / c1 <= {8 / floor:.2f}, before any prefill")
+    for name, ours in table.items():
+        if name.startswith("library") and 1 in ours and 8 in ours:
+            print(f"{name}: tokens/s c8 / c1 = {ours[8]['tokens_per_s'] / ours[1]['tokens_per_s']:.2f} (target >= 3); "
+                  f"ITL p99 c8 / c1 = {ours[8]['itl_p99_ms'] / ours[1]['itl_p99_ms']:.2f} (target <= 2); "
+                  f"c8 tokens/s / read-bandwidth limit = {ours[8]['tokens_per_s'] / (8 * steps):.2f}, / BLAS batch-8 "
+                  f"limit = {ours[8]['tokens_per_s'] / (8 * blas[8] / weights):.2f}")
 
 if __name__ == "__main__":
     main()

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
-from transformers.generation import LogitsProcessorList, MinPLogitsWarper
+from transformers.generation import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 import optimum_neuron_torch as ont
 from optimum_neuron_torch.compiler import cache_stats
@@ -97,7 +97,7 @@ def check_model(name: str) -> None:
     sampling = dict(attention_mask=MASK.to("neuron"), max_new_tokens=4, do_sample=True, top_k=0, pad_token_id=0)
     if name != "llama":  # (one architecture samples in the graph; the others on the host, through a processor
         # the graph does not hold, which compiles no graph more: many ranks on 2 cores compile slowly)
-        sampling["logits_processor"] = LogitsProcessorList([MinPLogitsWarper(min_p=0.0)])
+        sampling["logits_processor"] = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(penalty=1.0)])
     torch.manual_seed(100 + RANK)  # a different seed on every rank: the first rank's state is used by all
     first = model.generate(PROMPT.to("neuron"), **sampling).cpu()
     check(f"{name}: sampled tokens identical on every rank", all(torch.equal(t, first) for t in _gathered(first)),

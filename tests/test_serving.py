@@ -23,8 +23,9 @@ import uvicorn
 import optimum_neuron_torch as ont
 from optimum_neuron_torch.compiler import cache_stats
 from optimum_neuron_torch.serving.app import build_app
-from optimum_neuron_torch.serving.engine import Event, SamplingSettings, ServingEngine
-from optimum_neuron_torch.serving.engine import Request as EngineRequest
+from optimum_neuron_torch.serving.engine import ServingEngine
+from optimum_neuron_torch.serving.requests import Event, SamplingSettings
+from optimum_neuron_torch.serving.requests import Request as EngineRequest
 from optimum_neuron_torch.serving.text import TextStream
 from testing_utils import free_port, launcher_environment
 from tiny_models import DECODER, TENSOR_PARALLEL_MODELS, tiny_tokenizer
@@ -34,7 +35,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant{% endif %}"
 )
 NAME = "tiny-llama"
-MAX_LENGTH = 128  # prompt buckets 16 and 64, one context bucket; batch buckets 1, 2, 4, 8
+MAX_LENGTH = 128  # one context bucket; batch buckets 1, 2, 4, 8
+PROMPT_BUCKETS = (16, 48)  # a longer prompt is prefilled in chunks of 48, the last one moved back
 SLOTS = 8
 QUESTIONS = ["what is the capital of france?", "the cat sat on the mat.", "paris is a city", "what is it?",
              "the capital of the city is paris and the cat is on the mat, what is the capital of france?",
@@ -74,7 +76,7 @@ def server(folder, tokenizer):
     """The server on a free port of localhost, in this process (on a thread), so that tests can
     look at its engine: (engine, base URL)."""
     model = ont.NeuronAutoModelForCausalLM.from_pretrained(folder)
-    engine = ServingEngine(model, tokenizer, batch_size=SLOTS, max_length=MAX_LENGTH)
+    engine = ServingEngine(model, tokenizer, batch_size=SLOTS, max_length=MAX_LENGTH, prompt_buckets=PROMPT_BUCKETS)
     port = free_port()
     uvicorn_server = uvicorn.Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=port,
                                                    log_level="warning"))
@@ -239,9 +241,12 @@ def test_sampling_with_a_seed_does_not_depend_on_other_requests(server, client):
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "min_p": 1.5}, "min_p"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"model": NAME, "messages": [{"role": "user", "content": "the cat " * 40}]}, "messages"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "the cat " * 80}]}, "messages"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "seed": 2**70}, "seed"),
 ])
 def test_bad_requests_get_400_naming_the_field(server, body, param):
@@ -292,6 +297,103 @@ def test_clients_that_disconnect_free_their_slots(server, client, cpu_model, tok
     prompt = tokenizer(QUESTIONS[5]).input_ids
     assert client.completions.create(model=NAME, prompt=QUESTIONS[5], max_tokens=8, temperature=0).choices[0].text \
         == expected(cpu_model, tokenizer, prompt, 8)[1]
+
+
+@pytest.mark.slow
+def test_a_long_prompt_is_prefilled_a_chunk_a_turn_between_the_others_decode_steps(server, cpu_model, tokenizer,
+                                                                                  monkeypatch):
+    """A prompt above every prompt bucket (120 tokens; buckets 16 and 48, a cache of 128) is
+    prefilled in three pieces, one a turn (the budget is one chunk), the last moved back to end at
+    the cache's end, while a request in a higher slot decodes between them (so the long prompt's
+    slot is a thrown-away row of those decode steps): both get the CPU's tokens, and the keys the
+    pieces wrote are the CPU's (the thrown-away rows wrote none over them). A second long prompt,
+    cancelled after its first piece while the others decode, runs no other piece; the slots empty
+    and the device memory is as before."""
+    engine, _ = server
+    memory = torch.neuron.memory_allocated()
+    short_prompt, long_prompt = chat_ids(tokenizer, QUESTIONS[3]), (tokenizer(QUESTIONS[4]).input_ids * 20)[:120]
+    first, short, long, cancelled = [], [], [], []
+    pieces, run_piece = [], engine._run_piece
+
+    written = []  # the long prompt's first-layer keys in its slot, before its last piece
+
+    def recording(request, start, length, context):
+        pieces.append((request.on_event.__self__, start, length, context, len(short)))
+        if request.on_event.__self__ is long and start + length == MAX_LENGTH:
+            first_row = request._slot * MAX_LENGTH
+            written.append(engine.cache.layers[0].keys[first_row:first_row + start].cpu().clone())
+        run_piece(request, start, length, context)
+        if request.on_event.__self__ is cancelled:
+            engine.cancel(request)
+
+    monkeypatch.setattr(engine, "_run_piece", recording)
+
+    def wait_until(condition) -> None:
+        deadline = time.monotonic() + 120
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert condition()
+
+    with engine._condition:  # (both in the same turn: slots 0 and 1)
+        engine.submit(EngineRequest(short_prompt, 1, SamplingSettings(), [], first.append))  # one token
+        engine.submit(EngineRequest(short_prompt, 40, SamplingSettings(), [], short.append))
+    wait_until(lambda: first and len(short) >= 2)
+    engine.submit(EngineRequest(long_prompt, 8, SamplingSettings(), [], long.append))  # slot 0 again
+    engine.submit(EngineRequest(long_prompt, 8, SamplingSettings(), [], cancelled.append))  # after it: slot 2
+    wait_until(lambda: long and long[-1].finish_reason)
+    long_pieces = [piece[1:] for piece in pieces if piece[0] is long]
+    assert [piece[:3] for piece in long_pieces] == [(0, 48, 48), (48, 48, 128), (80, 48, 128)]
+    assert long_pieces[0][3] < long_pieces[1][3] < long_pieces[2][3]  # (the short request decoded between)
+    assert engine._slots[1] is not None and engine._slots[1].on_event.__self__ is short
+    assert "".join(event.text for event in long) == expected(cpu_model, tokenizer, long_prompt, 8)[1]
+    with torch.no_grad():  # (what the CPU writes for those positions: nothing else overwrote them)
+        cpu_cache = cpu_model(torch.tensor([long_prompt[:80]]), use_cache=True).past_key_values
+    torch.testing.assert_close(written[0], cpu_cache.layers[0].keys[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+    wait_until(lambda: short and short[-1].finish_reason)
+    assert "".join(event.text for event in short) == expected(cpu_model, tokenizer, short_prompt, 40)[1]
+    wait_until(lambda: (engine.busy_slots, engine.waiting) == (0, 0))
+    assert [piece[1] for piece in pieces if piece[0] is cancelled] == [0] and cancelled == []
+    assert torch.neuron.memory_allocated() == memory
+
+
+class OpenAIPenalties(transformers.LogitsProcessor):
+    """The OpenAI API's presence and frequency penalties over the tokens generated after the prompt."""
+
+    def __init__(self, prompt_length: int, presence: float, frequency: float) -> None:
+        self.prompt_length, self.presence, self.frequency = prompt_length, presence, frequency
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self.prompt_length:]
+        counts = torch.zeros_like(scores).scatter_add(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.presence * (counts > 0) - self.frequency * counts
+
+
+@pytest.mark.slow
+def test_penalties_and_min_p_run_in_the_step_as_transformers_applies_them(client, cpu_model, tokenizer):
+    """Greedy answers with Transformers' repetition penalty and the OpenAI API's presence and
+    frequency penalties are Transformers' on the CPU (with the penalties as its logits processors),
+    for a short prompt and for one prefilled in chunks, one request after another in the same slot
+    (each starts from its own tokens); each differs from the answer without them. A min_p of 1
+    keeps the most likely token only: sampling then answers as greedy decoding does."""
+    short, long = tokenizer(QUESTIONS[2]).input_ids, (tokenizer(QUESTIONS[4]).input_ids * 20)[:120]
+    for prompt, tokens, body, cpu in [
+        (short, 24, {"repetition_penalty": 1.8}, dict(repetition_penalty=1.8)),
+        (short, 24, {"presence_penalty": 1.5, "frequency_penalty": 0.7},
+         dict(logits_processor=[OpenAIPenalties(len(short), 1.5, 0.7)])),
+        (long, 8, {"repetition_penalty": 1.8, "frequency_penalty": 2.0},
+         dict(repetition_penalty=1.8, logits_processor=[OpenAIPenalties(len(long), 0.0, 2.0)])),
+    ]:
+        answer = client.completions.create(model=NAME, prompt=prompt, max_tokens=tokens, temperature=0,
+                                           extra_body=body).choices[0].text
+        with torch.no_grad():
+            output = cpu_model.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, **cpu)
+        assert answer == tokenizer.decode(output[0, len(prompt):], skip_special_tokens=True,
+                                          clean_up_tokenization_spaces=False), body
+        assert answer != expected(cpu_model, tokenizer, prompt, tokens)[1], body
+    greedy = client.completions.create(model=NAME, prompt=short, max_tokens=16, temperature=1.0, seed=3,
+                                       extra_body={"min_p": 1.0}).choices[0].text
+    assert greedy == expected(cpu_model, tokenizer, short, 16)[1]
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ DRAIN_SECONDS = 120  # after SIGTERM, how long the requests running may take to 
 
 
 def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int, max_length: int | None = None,
+          prompt_buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
           api_key: str | None = None, tp_size: int = 1) -> None:
     """Serves `model_id` (default: the library's default model) until SIGTERM or Ctrl-C; clients
     name it `model_id` (or `SmolLM2-135M-Instruct`).
@@ -41,6 +42,7 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int,
     model = load_generative_model(folder, tp_size)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     engine = ServingEngine(model, tokenizer, batch_size=batch_size, max_length=max_length,
+                           prompt_buckets=prompt_buckets, prefill_budget=prefill_budget,
                            broadcast=StepBroadcast() if tp_size > 1 else None)
     if not is_first_rank():
         # (rank 0 decides when the job stops: it drains its requests, then tells the others)

@@ -30,9 +30,10 @@ from openai.types.chat.chat_completion_chunk import ChoiceDelta
 from starlette.exceptions import HTTPException
 
 from ..errors import InvalidRequestError, ServerBusyError
-from .engine import Event, SamplingSettings, ServingEngine
-from .engine import Request as EngineRequest
+from .engine import ServingEngine
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body, parse
+from .requests import Event, SamplingSettings
+from .requests import Request as EngineRequest
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DISCONNECT_POLL_SECONDS = 0.5  # how often a request waiting for its tokens checks that its client is still there
@@ -171,13 +172,23 @@ def _completion_prompt(engine: ServingEngine, body: CompletionRequest) -> list[i
 
 def _sampling(engine: ServingEngine, body: ChatCompletionRequest | CompletionRequest) -> SamplingSettings:
     """The request's sampling; what it leaves out comes from the model's generation config (greedy
-    if that does not sample)."""
+    if that does not sample; its repetition penalty applies either way, as in Transformers)."""
     config = engine.model.generation_config
     sampled = bool(config.do_sample)
+
+    def given(value: Any, configured: Any, off: Any) -> Any:
+        return value if value is not None else (configured or off) if sampled else off
+
     temperature = body.temperature if body.temperature is not None else (config.temperature or 1.0) if sampled else 0.0
-    top_p = body.top_p if body.top_p is not None else (config.top_p or 1.0) if sampled else 1.0
-    top_k = (config.top_k or 0) if sampled else 0
-    return SamplingSettings(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), seed=body.seed)
+    return SamplingSettings(
+        temperature=float(temperature),
+        top_p=float(given(body.top_p, config.top_p, 1.0)),
+        top_k=max(int(given(body.top_k, config.top_k, 0)), 0),
+        min_p=float(given(body.min_p, config.min_p, 0.0)),
+        repetition_penalty=float(body.repetition_penalty or config.repetition_penalty or 1.0),
+        presence_penalty=float(body.presence_penalty or 0.0),
+        frequency_penalty=float(body.frequency_penalty or 0.0),
+        seed=body.seed)
 
 
 async def _respond(request: Request, engine: ServingEngine, body: ChatCompletionRequest | CompletionRequest,

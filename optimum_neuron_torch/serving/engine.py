@@ -3,19 +3,24 @@
 One thread runs the device (`run`: the server's main thread). It holds `batch_size` decode slots
 over one `SlotCache`. Each turn of its loop:
 
-1. requests waiting get free slots (the lowest first), and each is prefilled alone, on the graph
-   of its prompt bucket, which gives its first token;
-2. one decode step runs for the first `b` slots (`b` the smallest batch bucket that holds every
-   busy slot), over the smallest context bucket that holds their longest sequence; free slots
-   among them compute a token that is thrown away;
-3. each request takes its token; one that is done (end-of-sequence token, stop string,
+1. requests waiting get free slots (the lowest first);
+2. prompts are prefilled, one piece at a time, oldest request first, up to `prefill_budget` prompt
+   tokens in the turn (at least one piece): a prompt that fits a prompt bucket is one piece, padded
+   to the bucket; a longer one is cut into chunks of the largest bucket, each attending over the
+   smallest context bucket that holds it (see `_next_piece`). A request whose last piece ran has its
+   first token. So a long prompt never stalls the decoding requests for more than one chunk a turn;
+3. one decode step runs for the first `b` slots (`b` the smallest batch bucket that holds every
+   decoding slot), over the smallest context bucket that holds their longest sequence; the other
+   slots among them (free, or prefilling) compute a token that is thrown away, written where their
+   next piece writes anyway;
+4. each request takes its token; one that is done (end-of-sequence token, stop string,
    `max_tokens`, or its client gone) leaves, and its slot is free for the next turn.
 
-So the graphs are one prefill per prompt bucket and two decode steps (greedy, and sampling) per
-(batch bucket, context bucket), all compiled (or loaded from the compile cache) by `warm_up()`
-before the first request: no mix of requests compiles anything. Every row of a step is computed as
-if alone (its own positions, mask and random numbers), so a request's tokens do not depend on the
-others.
+So the graphs are one prefill per prompt bucket, a chunk per context bucket a long prompt's chunks
+reach, and two decode steps (greedy, and sampling) per (batch bucket, context bucket), all compiled
+(or loaded from the compile cache) by `warm_up()` before the first request: no mix of requests
+compiles anything. Every row of a step is computed as if alone (its own positions, mask and random
+numbers), so a request's tokens do not depend on the others.
 
 Requests come from any thread (the HTTP server's event loop) through `submit()`; what each one
 produces goes to the `on_event` callback it carries, called on the engine's thread.
@@ -29,8 +34,7 @@ import dataclasses
 import logging
 import threading
 import traceback
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -42,6 +46,7 @@ from ..generation.buckets import Buckets
 from ..generation.compiled_generation import COMPILE_CONFIG
 from ..generation.padding import pad_token_id
 from ..generation.tensor_parallel import embeddings_without_padding_index, whole_graphs_reason
+from .requests import NO_PENALTIES, Event, Request, SamplingSettings
 from .slots import SlotCache, slot_step
 from .tensor_parallel import StepBroadcast
 from .text import TextStream
@@ -50,73 +55,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 8
 DEFAULT_QUEUE_SIZE_PER_SLOT = 4  # requests that may wait, per decode slot, before the server answers 429
-DEFAULT_PROMPT_BUCKETS = (16, 64, 256, 1024)
-
-
-@dataclass
-class SamplingSettings:
-    """How a request chooses its tokens: greedy when `temperature` is 0, else sampled with these
-    warpers (as Transformers' temperature, top-k and top-p warpers apply them).
-
-    Args:
-        temperature (`float`): 0 for greedy decoding.
-        top_p (`float`): nucleus sampling (1.0: off).
-        top_k (`int`): the k most likely tokens only (0: off).
-        seed (`int` or `None`): makes the sampled tokens reproducible, whatever else is running.
-    """
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-
-    def row(self) -> list[float]:
-        """The parameters as a row of the step's sampling tensor (see `slot_step`)."""
-        return [self.temperature, float(self.top_k), self.top_p, 1.0]
-
-
-@dataclass
-class Event:
-    """What a request produced in one step: the text released (maybe empty), how many tokens it has
-    generated so far, and, on its last event, why it finished (`stop` or `length`, as the OpenAI API
-    names them)."""
-
-    text: str
-    completion_tokens: int
-    finish_reason: str | None = None
-    error: str | None = None  # (with finish_reason "error": what failed)
-
-
-@dataclass(eq=False)
-class Request:
-    """One generation request of the engine.
-
-    Args:
-        prompt (`list[int]`): the prompt's token ids.
-        max_tokens (`int` or `None`): the most tokens to generate (None: as many as the cache holds
-            after the prompt; `submit` sets it).
-        sampling (`SamplingSettings`): greedy or sampled.
-        stop (`list[str]`): stop strings (the text ends before the first one met).
-        on_event (`Callable[[Event], None]`): called, on the engine's thread, with each step's
-            `Event`; the last one has a `finish_reason`.
-    """
-
-    prompt: list[int]
-    max_tokens: int | None
-    sampling: SamplingSettings
-    stop: list[str]
-    on_event: Callable[[Event], None]
-    cancelled: bool = False
-    tokens: list[int] = field(default_factory=list)  # generated so far
-    # The engine's, once the request has a slot: its text so far, its random numbers, its slot.
-    _text: TextStream | None = field(default=None, init=False, repr=False)
-    _generator: torch.Generator | None = field(default=None, init=False, repr=False)
-    _slot: int | None = field(default=None, init=False, repr=False)
-
-    @property
-    def position(self) -> int:
-        """The position of the last token taken (the next decode step feeds it)."""
-        return len(self.prompt) + len(self.tokens) - 1
 
 
 class ServingEngine:
@@ -129,8 +67,11 @@ class ServingEngine:
         max_length (`int`, *optional*): positions of each slot (prompt plus new tokens); default:
             the model's context length, capped at 2048.
         prompt_buckets (`tuple[int, ...]`, *optional*): prompt lengths of the prefill graphs; a
-            prompt is padded to the smallest that holds it, and may not be longer than the largest.
+            prompt is padded to the smallest that holds it, or prefilled in chunks of the largest.
             Default: 16, 64, 256, ... (x4) up to half of `max_length`.
+        prefill_budget (`int`, *optional*): the most prompt tokens prefilled in one turn of the loop,
+            between two decode steps (a piece larger than it still runs, alone): the most a new
+            request delays the others' next token. Default: the largest prompt bucket.
         queue_size (`int`, *optional*): requests that may wait for a slot; beyond it `submit` raises
             `ServerBusyError`. Default: 4 per slot.
         broadcast (`StepBroadcast`, *optional*): for a model split between ranks: rank 0's engine sends
@@ -148,8 +89,8 @@ class ServingEngine:
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                  batch_size: int = DEFAULT_BATCH_SIZE, max_length: int | None = None,
-                 prompt_buckets: tuple[int, ...] | None = None, queue_size: int | None = None,
-                 broadcast: StepBroadcast | None = None) -> None:
+                 prompt_buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
+                 queue_size: int | None = None, broadcast: StepBroadcast | None = None) -> None:
         default = Buckets.default(model.config, max_length)
         powers_of_two = tuple(2**power for power in range(batch_size.bit_length()) if 2**power < batch_size)
         self.buckets = dataclasses.replace(default, batch_sizes=(*powers_of_two, batch_size),
@@ -157,6 +98,7 @@ class ServingEngine:
         self.model, self.tokenizer = model, tokenizer
         self.cache = SlotCache(model, batch_size, self.buckets.max_length)
         self.queue_size = queue_size if queue_size is not None else DEFAULT_QUEUE_SIZE_PER_SLOT * batch_size
+        self.prefill_budget = prefill_budget or self.chunk
         eos = model.generation_config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.pad_token_id = pad_token_id(model.generation_config, model.get_input_embeddings().num_embeddings)
@@ -165,6 +107,7 @@ class ServingEngine:
         self._broadcast = broadcast
         self._slots: list[Request | None] = [None] * batch_size
         self._waiting: collections.deque[Request] = collections.deque()
+        self._prefilling: collections.deque[Request] = collections.deque()  # in slots, oldest first
         self._condition = threading.Condition()
         self._running = False  # `run` is serving (on some thread)
         self._finished = threading.Event()  # `run` returned
@@ -178,8 +121,23 @@ class ServingEngine:
         return len(self._slots)
 
     @property
-    def max_prompt_length(self) -> int:
+    def chunk(self) -> int:
+        """The length of each piece of a prompt longer than every prompt bucket (the largest bucket)."""
         return self.buckets.prompt_buckets[-1]
+
+    @property
+    def max_prompt_length(self) -> int:
+        """The longest prompt: one position is left for the token it answers."""
+        return self.buckets.max_length - 1
+
+    @property
+    def chunk_contexts(self) -> tuple[int, ...]:
+        """The context buckets the chunks after a long prompt's first attend over (a graph each): a
+        chunk ends at a multiple of `chunk` after the first, or at `max_length`."""
+        if self.max_prompt_length <= self.chunk:
+            return ()
+        first = self.buckets.context_bucket_for(min(2 * self.chunk, self.buckets.max_length))
+        return tuple(context for context in self.buckets.context_buckets if context >= first)
 
     @property
     def busy_slots(self) -> int:
@@ -210,8 +168,9 @@ class ServingEngine:
             raise InvalidRequestError("the prompt has no tokens", prompt_field)
         if len(prompt) > self.max_prompt_length:
             raise InvalidRequestError(f"the prompt has {len(prompt)} tokens, above the {self.max_prompt_length} this "
-                                      "server takes (its largest prompt bucket); shorten it, or start the server "
-                                      "with larger --max-length", prompt_field)
+                                      f"server takes (its {self.buckets.max_length} positions, --max-length, less one "
+                                      "for the answer); shorten it, or start the server with a larger --max-length",
+                                      prompt_field)
         room = self.buckets.max_length - len(prompt)
         if max_tokens is None:
             return room
@@ -332,25 +291,28 @@ class ServingEngine:
 
     @property
     def graph_count(self) -> int:
-        """The graphs the engine runs: a prefill per prompt bucket, two decode steps (greedy, sampled) per
-        batch and context bucket."""
-        return len(self.buckets.prompt_buckets) + 2 * len(self.buckets.batch_sizes) * len(self.buckets.context_buckets)
+        """The graphs the engine runs: a prefill per prompt bucket, a chunk per `chunk_contexts`, two
+        decode steps (greedy, sampled) per batch and context bucket."""
+        return (len(self.buckets.prompt_buckets) + len(self.chunk_contexts)
+                + 2 * len(self.buckets.batch_sizes) * len(self.buckets.context_buckets))
 
     def warm_up(self, show_progress: bool = True) -> None:
         """Runs every graph once, on a free slot and dummy tokens: each is compiled, or loaded from
         the compile cache, before the first request."""
-        runs = [("prefill", length, True) for length in self.buckets.prompt_buckets]
+        runs = [("prefill", length, length) for length in self.buckets.prompt_buckets]
+        runs += [("prefill", self.chunk, context) for context in self.chunk_contexts]
         runs += [("decode", batch, context, sampled) for batch in self.buckets.batch_sizes
                  for context in self.buckets.context_buckets for sampled in (False, True)]
-        sampling = SamplingSettings(temperature=1.0).row()
+        sampling = SamplingSettings(temperature=1.0).row(taken=False)
         for run in tqdm(runs, desc="Compiling neuron graphs for serving", disable=not show_progress):
             if run[0] == "prefill":
-                self._forward([[self.pad_token_id] * run[1]], [list(range(run[1]))], 0, run[1], [0.5], [sampling],
-                              slot=0)
+                _, length, context = run
+                self._forward([[self.pad_token_id] * length], [list(range(context - length, context))], 0, context,
+                              [0.5], [sampling], slot=0)
             else:
                 _, batch, context, sampled = run
                 self._forward([[self.pad_token_id]] * batch, [[context - 1]] * batch, 0, context, [0.5] * batch,
-                              [sampling if sampled else SamplingSettings().row()] * batch)
+                              [sampling if sampled else SamplingSettings().row(taken=False)] * batch)
 
     def _turn(self) -> bool:
         """One turn of the loop (see the module's docstring); False when stopped and drained."""
@@ -359,27 +321,21 @@ class ServingEngine:
                 self._condition.wait()
             if self._stopping and not self._waiting and not any(self._slots):
                 return False
-            admitted = []
             while self._waiting and None in self._slots:
                 slot = self._slots.index(None)
                 request = self._waiting.popleft()
                 request._slot, self._slots[slot] = slot, request
-                admitted.append(request)
-        for request in admitted:
-            try:
-                self._prefill(request)
-            except DEVICE_OR_JOB_FAILURES:
-                raise
-            except Exception as error:  # (this request's own: it fails alone, the others go on)
-                self._fail([request], error, "preparing the request")
+                self._prefilling.append(request)
+        self._prefill()
         self._release_finished()
-        if any(self._slots):
+        rows = self._decoding_rows()
+        if rows:
             try:
-                self._decode()
+                self._decode(rows)
             except DEVICE_OR_JOB_FAILURES:
                 raise
             except Exception as error:  # (the requests of this step fail; the engine takes the next ones)
-                self._fail([request for request in self._slots if request], error, "running a decode step")
+                self._fail([request for request in rows if request], error, "running a decode step")
             self._release_finished()
         return True
 
@@ -394,27 +350,75 @@ class ServingEngine:
                                           f"{type(error).__name__} while {during}: {error}"))
             request.cancelled = True
 
-    def _prefill(self, request: Request) -> None:
-        request._text = TextStream(self.tokenizer, request.stop)
-        seed = request.sampling.seed
-        request._generator = torch.Generator().manual_seed(
-            seed if seed is not None else int(torch.randint(2**62, ())))
-        length, _ = self.buckets.prompt_shape_for(len(request.prompt))
-        ids = request.prompt + [self.pad_token_id] * (length - len(request.prompt))
-        token = self._forward([ids], [list(range(length))], len(request.prompt) - 1, length,
-                              [self._uniform(request)], [request.sampling.row()], slot=request._slot)
-        self._take(request, int(token[0]))
+    def _prefill(self) -> None:
+        """Runs prefill pieces, oldest request first, while the turn's prompt tokens stay within
+        `prefill_budget` (one piece at least). A request that fails here fails alone."""
+        spent = 0
+        while self._prefilling:
+            request = self._prefilling[0]
+            if request.cancelled or not request.prefilling:
+                self._prefilling.popleft()
+                continue
+            start, length, context = self._next_piece(request)
+            if spent and spent + length > self.prefill_budget:
+                return
+            spent += length
+            try:
+                self._run_piece(request, start, length, context)
+            except DEVICE_OR_JOB_FAILURES:
+                raise
+            except Exception as error:  # (this request's own: it fails alone, the others go on)
+                self._fail([request], error, "preparing the request")
 
-    def _decode(self) -> None:
-        busy = [slot for slot, request in enumerate(self._slots) if request is not None]
-        batch = self.buckets.batch_size_for(busy[-1] + 1)
-        rows: list[Request | None] = self._slots[:batch]
+    def _next_piece(self, request: Request) -> tuple[int, int, int]:
+        """The next piece of `request`'s prompt: (first position, length, context). A prompt that fits
+        a prompt bucket is one piece, padded to it, attending over the bucket (its prefill graph); a
+        longer one is cut in chunks of `chunk` positions, the first over `chunk` (the largest
+        prefill's graph), the others over the smallest context bucket that holds them. The last one
+        is moved back if it would pass `max_length`: it writes again some positions the one before
+        wrote (the same tokens at the same positions), rather than padding beyond the cache."""
+        done, length = request._prefilled, len(request.prompt)
+        if done == 0 and length <= self.chunk:
+            bucket, _ = self.buckets.prompt_shape_for(length)
+            return 0, bucket, bucket
+        start = min(done, self.buckets.max_length - self.chunk)
+        end = start + self.chunk
+        return start, self.chunk, self.chunk if end == self.chunk else self.buckets.context_bucket_for(end)
+
+    def _run_piece(self, request: Request, start: int, length: int, context: int) -> None:
+        """Writes one piece of `request`'s prompt into its slot; the last piece gives its first token."""
+        if request._prefilled == 0:
+            request._text = TextStream(self.tokenizer, request.stop)
+            seed = request.sampling.seed
+            request._generator = torch.Generator().manual_seed(
+                seed if seed is not None else int(torch.randint(2**62, ())))
+        end = min(start + length, len(request.prompt))
+        ids = request.prompt[start:end] + [self.pad_token_id] * (start + length - end)
+        final = end == len(request.prompt)  # (only its token is taken: only it draws a random number)
+        token = self._forward([ids], [list(range(start, start + length))], end - 1 - start, context,
+                              [self._uniform(request) if final else 0.0], [request.sampling.row(taken=final)],
+                              slot=request._slot)
+        request._prefilled = end
+        if final:
+            self._take(request, int(token[0]))
+
+    def _decoding_rows(self) -> list[Request | None]:
+        """The rows of the next decode step: the first slots, up to the smallest batch bucket that holds
+        every decoding request, None where a slot is free or prefilling."""
+        decoding = [request if request is not None and not request.prefilling and not request.cancelled else None
+                    for request in self._slots]
+        last = max((slot for slot, request in enumerate(decoding) if request is not None), default=None)
+        return [] if last is None else decoding[:self.buckets.batch_size_for(last + 1)]
+
+    def _decode(self, rows: list[Request | None]) -> None:
         context = self.buckets.context_bucket_for(max(request.position + 1 for request in rows if request))
+        # (a row without a decoding request writes where its slot's next prefill piece writes anyway)
+        idle = [request._prefilled if request is not None else 0 for request in self._slots[:len(rows)]]
         tokens = self._forward(
             [[request.tokens[-1] if request else self.pad_token_id] for request in rows],
-            [[request.position if request else 0] for request in rows], 0, context,
-            [self._uniform(request) if request else 0.0 for request in rows],
-            [request.sampling.row() if request else SamplingSettings().row() for request in rows])
+            [[request.position if request else position] for request, position in zip(rows, idle, strict=True)],
+            0, context, [self._uniform(request) if request else 0.0 for request in rows],
+            [request.sampling.row() if request else SamplingSettings().row(taken=False) for request in rows])
         self.steps += 1
         for request, token in zip(rows, tokens.tolist(), strict=True):
             if request is not None and not request.cancelled:
@@ -435,7 +439,7 @@ class ServingEngine:
         self.cache.writes.positions = positions_tensor
         self.cache.writes.slot = None if slot is None else torch.tensor([slot], device=device)
         self.cache.writes.context = context
-        sampled = slot is not None or any(row[0] > 0 for row in sampling)
+        sampled = slot is not None or any(row[0] > 0 or row[5:8] != NO_PENALTIES for row in sampling)
         try:
             return self._step(self.model, self.cache, torch.tensor(ids, device=device), positions_tensor,
                               torch.tensor([last], device=device), torch.tensor(sampling, device=device),
@@ -486,6 +490,7 @@ class ServingEngine:
             requests = [request for request in self._slots if request] + list(self._waiting)
             self._slots = [None] * len(self._slots)
             self._waiting.clear()
+            self._prefilling.clear()
         for request in requests:
             if not request.cancelled:
                 self._emit(request, Event("", len(request.tokens), "error", f"the engine stopped: {self.failure!r}"))

@@ -24,8 +24,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -62,6 +60,12 @@ class _GenerationRequest(_Strict):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    # (beyond the OpenAI API, as vLLM takes them: -1 or 0 is every token for top_k)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # (a 64-bit integer, as vLLM takes)
     stop: str | list[str] | None = None
     n: int | None = Field(default=None, ge=1, le=1)  # (one choice per request)

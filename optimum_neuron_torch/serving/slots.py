@@ -15,6 +15,9 @@ Two kinds of step run on it, each a compiled graph of fixed shapes (see `slot_st
   position, attending over the first `context` positions of the cache (a context bucket); it
   returns the next token of each slot.
 
+With the KV cache, each slot keeps what the penalties read (`TokenCounts`): which tokens its prompt
+and answer hold, and how many times each was generated, updated by the steps that sample.
+
 The pad tokens after a prompt write keys that no query reads: a row's decode step at position `p`
 writes `p` before it attends, and attends to positions up to `p` only. A free slot in a decode batch
 writes at position 0, which the next prefill in that slot overwrites.
@@ -30,7 +33,7 @@ from transformers import PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from .. import errors
-from ..generation.sampling import sample
+from ..generation.sampling import penalize, sample
 
 
 @dataclass
@@ -85,6 +88,36 @@ class SlotLayer(StaticLayer):
         return keys[:, : writes.context].transpose(1, 2), values[:, : writes.context].transpose(1, 2)
 
 
+class TokenCounts:
+    """Per slot, on the device: which tokens its prompt and answer hold (`seen`, 0 or 1) and how
+    many times each was generated (`counts`), float32 `[slots, vocab]`: what the penalties read
+    (see `sampling.penalize`). The steps that sample update them in their graph (`update`), so the
+    host sends nothing for them."""
+
+    def __init__(self, slots: int, vocab: int, device: torch.device) -> None:
+        self.seen = torch.zeros((slots, vocab), dtype=torch.float32, device=device)
+        self.counts = torch.zeros((slots, vocab), dtype=torch.float32, device=device)
+
+    def read(self, rows: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
+             prefill: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`seen` and `counts` of the slots `rows` for this step: a prefill piece marks its prompt
+        tokens (up to `last`), and the first piece of a prompt (at position 0) starts from zero."""
+        seen, counts = self.seen.index_select(0, rows), self.counts.index_select(0, rows)
+        if prefill:
+            first = positions[:, :1] == 0
+            seen, counts = seen.masked_fill(first, 0.0), counts.masked_fill(first, 0.0)
+            prompt = (torch.arange(input_ids.shape[1], device=input_ids.device) <= last)[None, :].float()
+            seen = torch.maximum(seen, torch.zeros_like(seen).scatter_add(1, input_ids, prompt).clamp(max=1.0))
+        return seen, counts
+
+    def update(self, rows: torch.Tensor, seen: torch.Tensor, counts: torch.Tensor, tokens: torch.Tensor,
+               taken: torch.Tensor) -> None:
+        """Writes back the slots `rows`, each with its chosen token counted where `taken` is 1."""
+        chosen = torch.zeros_like(counts).scatter(1, tokens[:, None], taken[:, None])
+        self.seen.index_copy_(0, rows, torch.maximum(seen, chosen))
+        self.counts.index_copy_(0, rows, counts + chosen)
+
+
 class SlotCache(StaticCache):
     """Transformers' static cache of `slots` rows of `max_length` positions, each row written at its
     own positions (see the module's docstring)."""
@@ -96,6 +129,7 @@ class SlotCache(StaticCache):
         if why is not None:
             raise errors.ConfigurationError(f"cannot serve model type {model.config.model_type!r}: {why}")
         self.writes = SlotWrites()
+        self.tokens = TokenCounts(slots, model.config.get_text_config(decoder=True).vocab_size, model.device)
         self.layers = [SlotLayer(max_length, self.writes) for _ in self.layers]
         num_heads, head_dim = model._get_static_cache_init_shape()
         for index, layer in enumerate(self.layers):
@@ -128,12 +162,13 @@ def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor,
         positions (`torch.Tensor`): int64 `[rows, tokens]`, each token's position in its slot.
         last (`torch.Tensor`): int64 `[1]`, the token whose logits choose the next one (the prompt's
             last real token in a prefill; 0 in a decode step).
-        sampling (`torch.Tensor`): float32 `[rows, 4]`, each row's sampling parameters
-            (`SamplingParameters.rows`); a temperature of 0 chooses the greedy token.
+        sampling (`torch.Tensor`): float32 `[rows, 9]`, each row's `SamplingSettings.row`: the
+            warpers' parameters (a temperature of 0 chooses the greedy token), the penalties, and
+            whether its token is taken (counted for the penalties).
         uniform (`torch.Tensor`): float32 `[rows]`, the uniform numbers sampled rows draw with.
-        sampled (`bool`): whether any row samples; if not, the graph takes the argmax only (a graph
-            of its own: sampling sorts the vocabulary of each row, a third of a decode step of
-            SmolLM2 at batch 8).
+        sampled (`bool`): whether any row samples or has penalties; if not, the graph takes the argmax
+            only (a graph of its own: sampling sorts the vocabulary of each row, a third of a decode
+            step of SmolLM2 at batch 8).
 
     Returns:
         `torch.Tensor`: int64 `[rows]`.
@@ -144,8 +179,14 @@ def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor,
                    logits_to_keep=last).logits[:, -1]
     if not sampled:
         return logits.argmax(-1)
+    prefill = cache.writes.slot is not None
+    rows = cache.writes.slot if prefill else torch.arange(input_ids.shape[0], device=input_ids.device)
+    seen, counts = cache.tokens.read(rows, input_ids, positions, last, prefill)
+    logits = penalize(logits, sampling[:, 5:8], seen, counts)
     greedy = sampling[:, 0] == 0
     # (a greedy row samples without warpers, which keeps its arithmetic finite, and takes the argmax)
-    neutral = torch.tensor([1.0, 0.0, 1.0, 1.0], device=sampling.device)
-    parameters = torch.where(greedy[:, None], neutral, sampling)
-    return torch.where(greedy, logits.argmax(-1), sample(logits, parameters, uniform))
+    neutral = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0], device=sampling.device)
+    parameters = torch.where(greedy[:, None], neutral, sampling[:, :5])
+    tokens = torch.where(greedy, logits.argmax(-1), sample(logits, parameters, uniform))
+    cache.tokens.update(rows, seen, counts, tokens, sampling[:, 8])
+    return tokens

@@ -205,6 +205,13 @@ class ServeCommand(_LibraryCommand):
         parser.add_argument("--max-length", type=_positive,
                             help="Positions per request, prompt plus new tokens (default: the model's context "
                                  "length, capped at 2048).")
+        parser.add_argument("--prompt-buckets", type=_sizes,
+                            help="Prompt lengths of the prefill graphs, comma-separated, e.g. 16,64,256; a longer "
+                                 "prompt is prefilled in chunks of the largest (default: 16, 64, 256, ... up to half "
+                                 "of max-length).")
+        parser.add_argument("--prefill-budget", type=_positive,
+                            help="The most prompt tokens prefilled between two decode steps: the longest a new "
+                                 "request delays the others' next token (default: the largest prompt bucket).")
         parser.add_argument("--api-key",
                             help="Clients must send `Authorization: Bearer KEY` (default: the environment variable "
                                  "OPTIMUM_NEURON_TORCH_API_KEY; none: no key needed).")
@@ -222,7 +229,8 @@ class ServeCommand(_LibraryCommand):
         if args.tp_size > 1 and not launched():
             return launch(args.tp_size, sys.argv[1:], drain_seconds=DRAIN_SECONDS + 30)
         serve(args.model, host=args.host, port=args.port, batch_size=args.batch_size, max_length=args.max_length,
-              api_key=args.api_key, tp_size=args.tp_size)
+              prompt_buckets=args.prompt_buckets, prefill_budget=args.prefill_budget, api_key=args.api_key,
+              tp_size=args.tp_size)
         return 0
 
 

@@ -1,0 +1,96 @@
+"""What the serving engine serves: a request, how it samples, and the events it produces."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..generation.sampling import SamplingParameters
+from .text import TextStream
+
+NO_PENALTIES = [1.0, 0.0, 0.0]  # repetition, presence, frequency: the logits as they are
+
+
+@dataclass
+class SamplingSettings:
+    """How a request chooses its tokens: greedy when `temperature` is 0, else sampled with these
+    warpers (as Transformers' temperature, top-k, top-p and min-p warpers apply them); greedy or
+    not, after the penalties (see `generation.sampling.penalize`).
+
+    Args:
+        temperature (`float`): 0 for greedy decoding.
+        top_p (`float`): nucleus sampling (1.0: off).
+        top_k (`int`): the k most likely tokens only (0: off).
+        min_p (`float`): tokens less likely than `min_p` times the most likely one are dropped (0: off).
+        repetition_penalty (`float`): Transformers' penalty of the tokens the prompt and answer hold (1: off).
+        presence_penalty (`float`): subtracted from the logits of tokens generated so far (0: off).
+        frequency_penalty (`float`): subtracted per time a token was generated (0: off).
+        seed (`int` or `None`): makes the sampled tokens reproducible, whatever else is running.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    def row(self, taken: bool = True) -> list[float]:
+        """The row of the step's sampling tensor (see `slots.slot_step`): the warpers' parameters
+        (`SamplingParameters.row`), the penalties, and whether the row's token is taken."""
+        warpers = SamplingParameters(self.temperature, self.top_k, self.top_p, 1, self.min_p).row()
+        return [*warpers, self.repetition_penalty, self.presence_penalty, self.frequency_penalty, float(taken)]
+
+
+@dataclass
+class Event:
+    """What a request produced in one step: the text released (maybe empty), how many tokens it has
+    generated so far, and, on its last event, why it finished (`stop` or `length`, as the OpenAI API
+    names them)."""
+
+    text: str
+    completion_tokens: int
+    finish_reason: str | None = None
+    error: str | None = None  # (with finish_reason "error": what failed)
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request of the engine.
+
+    Args:
+        prompt (`list[int]`): the prompt's token ids.
+        max_tokens (`int` or `None`): the most tokens to generate (None: as many as the cache holds
+            after the prompt; `submit` sets it).
+        sampling (`SamplingSettings`): greedy or sampled.
+        stop (`list[str]`): stop strings (the text ends before the first one met).
+        on_event (`Callable[[Event], None]`): called, on the engine's thread, with each step's
+            `Event`; the last one has a `finish_reason`.
+    """
+
+    prompt: list[int]
+    max_tokens: int | None
+    sampling: SamplingSettings
+    stop: list[str]
+    on_event: Callable[[Event], None]
+    cancelled: bool = False
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    # The engine's, once the request has a slot: its text so far, its random numbers, its slot.
+    _text: TextStream | None = field(default=None, init=False, repr=False)
+    _generator: torch.Generator | None = field(default=None, init=False, repr=False)
+    _slot: int | None = field(default=None, init=False, repr=False)
+    _prefilled: int = field(default=0, init=False, repr=False)  # prompt tokens in the cache so far
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether part of the prompt is still to be written into the cache (no token taken yet)."""
+        return self._prefilled < len(self.prompt)
+
+    @property
+    def position(self) -> int:
+        """The position of the last token taken (the next decode step feeds it)."""
+        return len(self.prompt) + len(self.tokens) - 1
