@@ -14,8 +14,9 @@ inter-token latency (the gaps between the chunks of text of a request, p50 and p
 output tokens/s (completion tokens, as the server's usage counts them, over the wall time).
 
 Then a soak of this library's server: `--soak` requests (default 500) at concurrency 16, short
-answers; failed requests are counted and the device memory (`/health` reports it) is read before
-and after.
+answers, every `--soak-disconnect-every`th client (default 10th) going away after its first token;
+failed requests are counted, and the busy slots and device memory (`/health` reports them) are read
+before and after.
 
 The physical limit, measured in the same run: the host's read bandwidth (best of 5 `x.sum()` over a
 1 GiB float32 tensor) over the bytes a decode step must read (the model's weights), which bounds
@@ -113,8 +114,10 @@ def long_question(folder: str, tokens: int) -> str:
     return " ".join(words[:low]) + "\n" + ask
 
 
-async def one_request(http: httpx.AsyncClient, model: str, question: str, max_tokens: int) -> dict:
-    """One streamed chat request: its time to first token, gaps between chunks of text, tokens."""
+async def one_request(http: httpx.AsyncClient, model: str, question: str, max_tokens: int,
+                      disconnect: bool = False) -> dict | None:
+    """One streamed chat request: its time to first token, gaps between chunks of text, tokens; with
+    `disconnect`, the client goes away after the first chunk of text (None)."""
     body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
@@ -130,6 +133,8 @@ async def one_request(http: httpx.AsyncClient, model: str, question: str, max_to
                 tokens = chunk["usage"]["completion_tokens"]
             if chunk.get("choices") and chunk["choices"][0].get("delta", {}).get("content"):
                 arrivals.append(time.perf_counter())
+                if disconnect:
+                    return None
     if not arrivals:
         raise RuntimeError("no text")
     return {"ttft": arrivals[0] - sent, "gaps": [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)],
@@ -137,22 +142,26 @@ async def one_request(http: httpx.AsyncClient, model: str, question: str, max_to
 
 
 async def load(url: str, model: str, concurrency: int, requests: int, max_tokens: int, long: str | None = None,
-               long_every: int = 0, long_max_tokens: int = 32) -> dict:
+               long_every: int = 0, long_max_tokens: int = 32, disconnect_every: int = 0) -> dict:
     """`requests` requests from `concurrency` workers (every `long_every`th one the `long` question,
-    answered in `long_max_tokens` tokens); the measurements and the failures."""
-    queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+    answered in `long_max_tokens` tokens; every `disconnect_every`th one dropped by its client after
+    its first chunk); the measurements and the failures."""
+    queue: asyncio.Queue[tuple[str, int, bool]] = asyncio.Queue()
     for index in range(requests):
+        drop = bool(disconnect_every) and index % disconnect_every == disconnect_every - 1
         if long is not None and long_every and index % long_every == long_every - 1:
-            queue.put_nowait((long, long_max_tokens))
+            queue.put_nowait((long, long_max_tokens, drop))
         else:
-            queue.put_nowait((QUESTIONS[index % len(QUESTIONS)], max_tokens))
+            queue.put_nowait((QUESTIONS[index % len(QUESTIONS)], max_tokens, drop))
     results, failures = [], []
 
     async def worker(http: httpx.AsyncClient) -> None:
         while not queue.empty():
-            question, tokens = queue.get_nowait()
+            question, tokens, drop = queue.get_nowait()
             try:
-                results.append(await one_request(http, model, question, tokens))
+                result = await one_request(http, model, question, tokens, drop)
+                if result is not None:
+                    results.append(result)
             except Exception as error:
                 failures.append(f"{type(error).__name__}: {error}")
 
@@ -208,6 +217,8 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,8,16")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--soak", type=int, default=500)
+    parser.add_argument("--soak-disconnect-every", type=int, default=10,
+                        help="in the soak, every Nth client goes away after its first token (0: none)")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--long-every", type=int, default=0, help="every Nth request is a long prompt (0: none)")
     parser.add_argument("--long-tokens", type=int, default=2000)
@@ -248,11 +259,20 @@ def main() -> None:
         try:
             table[name] = sweep(url, "SmolLM2-135M-Instruct", concurrencies, args.max_tokens, **mix)
             if args.soak and not index:
-                before = httpx.get(url + "/health").json()["device_memory_allocated"]
-                soak = asyncio.run(load(url, "SmolLM2-135M-Instruct", 16, args.soak, 16))
-                after = httpx.get(url + "/health").json()["device_memory_allocated"]
-                print(f"soak: {soak['requests']} answered, {soak['failed']} failed {soak['failures']}; device "
-                      f"memory {before} -> {after} bytes", flush=True)
+                before = httpx.get(url + "/health").json()
+                soak = asyncio.run(load(url, "SmolLM2-135M-Instruct", 16, args.soak, 16,
+                                        disconnect_every=args.soak_disconnect_every))
+                after = httpx.get(url + "/health").json()
+                for _ in range(600):  # (the engine notices the last disconnections within a step or two)
+                    if (after["running"], after["waiting"]) == (0, 0):
+                        break
+                    time.sleep(0.1)
+                    after = httpx.get(url + "/health").json()
+                print(f"soak: {soak['requests']} answered, {soak['failed']} failed {soak['failures']}, every "
+                      f"{args.soak_disconnect_every}th client gone after its first token; running/waiting "
+                      f"{before['running']}/{before['waiting']} -> {after['running']}/{after['waiting']}; "
+                      f"device memory {before['device_memory_allocated']} -> {after['device_memory_allocated']} "
+                      "bytes", flush=True)
         finally:
             print(f"{name}: exit status after SIGTERM {stop(process)}", flush=True)
 
