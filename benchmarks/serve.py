@@ -9,9 +9,10 @@ before /health turns ready). A bounded asyncio client (httpx, server-sent events
 another (greedy, `max_tokens` new tokens, prompts of several lengths, the same for both servers),
 `max(2c, 8)` in all; with `--long-every N`, every Nth request asks about a document of
 `--long-tokens` tokens (2,000 by default: a long prefill, which the server cuts into chunks
-between the decode steps of the others). Measured: time to first token (request sent -> first chunk with text),
-inter-token latency (the gaps between the chunks of text of a request, p50 and p99) and aggregate
-output tokens/s (completion tokens, as the server's usage counts them, over the wall time).
+between the decode steps of the others), answered in `LONG_MAX_TOKENS` tokens. Measured: time to
+first token (request sent -> first chunk with text), inter-token latency (the gaps between the
+chunks of text of a request, p50 and p99) and aggregate output tokens/s (completion tokens, as the
+server's usage counts them, over the wall time).
 
 Then a soak of this library's server: `--soak` requests (default 500) at concurrency 16, short
 answers, every `--soak-disconnect-every`th client (default 10th) going away after its first token;
@@ -51,6 +52,7 @@ from pathlib import Path
 import httpx
 import torch
 
+LONG_MAX_TOKENS = 32  # the answer to a long prompt (2,000 tokens leave 48 positions of a 2,048 cache)
 QUESTIONS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -142,15 +144,15 @@ async def one_request(http: httpx.AsyncClient, model: str, question: str, max_to
 
 
 async def load(url: str, model: str, concurrency: int, requests: int, max_tokens: int, long: str | None = None,
-               long_every: int = 0, long_max_tokens: int = 32, disconnect_every: int = 0) -> dict:
+               long_every: int = 0, disconnect_every: int = 0) -> dict:
     """`requests` requests from `concurrency` workers (every `long_every`th one the `long` question,
-    answered in `long_max_tokens` tokens; every `disconnect_every`th one dropped by its client after
+    answered in `LONG_MAX_TOKENS` tokens; every `disconnect_every`th one dropped by its client after
     its first chunk); the measurements and the failures."""
     queue: asyncio.Queue[tuple[str, int, bool]] = asyncio.Queue()
     for index in range(requests):
         drop = bool(disconnect_every) and index % disconnect_every == disconnect_every - 1
         if long is not None and long_every and index % long_every == long_every - 1:
-            queue.put_nowait((long, long_max_tokens, drop))
+            queue.put_nowait((long, LONG_MAX_TOKENS, drop))
         else:
             queue.put_nowait((QUESTIONS[index % len(QUESTIONS)], max_tokens, drop))
     results, failures = [], []
@@ -235,7 +237,8 @@ def main() -> None:
     mix = {}
     if args.long_every:
         mix = {"long": long_question(folder, args.long_tokens), "long_every": args.long_every}
-        print(f"every {args.long_every}th request: a prompt of {args.long_tokens} tokens, 32 new tokens", flush=True)
+        print(f"every {args.long_every}th request: a prompt of {args.long_tokens} tokens, "
+              f"{LONG_MAX_TOKENS} new tokens", flush=True)
     bandwidth = read_bandwidth()
     weights = sum(path.stat().st_size for path in Path(folder).glob("*.safetensors"))
     steps = bandwidth / weights
@@ -307,6 +310,7 @@ def main() -> None:
                   f"ITL p99 c8 / c1 = {ours[8]['itl_p99_ms'] / ours[1]['itl_p99_ms']:.2f} (target <= 2); "
                   f"c8 tokens/s / read-bandwidth limit = {ours[8]['tokens_per_s'] / (8 * steps):.2f}, / BLAS batch-8 "
                   f"limit = {ours[8]['tokens_per_s'] / (8 * blas[8] / weights):.2f}")
+
 
 if __name__ == "__main__":
     main()

@@ -3,12 +3,12 @@
 Transformers' loop samples on the host: each step moves the logits row to the host (4 bytes per
 vocabulary entry), applies the logits warpers and draws the token with `torch.multinomial`. When
 the warpers of a call are only those a graph holds (temperature, top-k, top-p and min-p, as
-Transformers builds them from the generation config), the compiled decode step applies them to the logits and
-draws the token itself, from a uniform number the host draws from torch's default generator (so
-`torch.manual_seed` makes sampled sequences reproducible, and ranks that share the random state
-draw the same tokens); only the token crosses back. The parameters are per-row tensors: one graph
-serves every temperature, top-k, top-p and min-p. The server's step also applies penalties for the
-tokens a sequence holds (`penalize`), from counts it keeps on the device.
+Transformers builds them from the generation config), the compiled decode step applies them to the
+logits and draws the token itself, from a uniform number the host draws from torch's default
+generator (so `torch.manual_seed` makes sampled sequences reproducible, and ranks that share the
+random state draw the same tokens); only the token crosses back. The parameters are per-row
+tensors: one graph serves every temperature, top-k, top-p and min-p. The server's step also
+applies penalties for the tokens a sequence holds (`penalize`), from counts it keeps on the device.
 """
 
 from __future__ import annotations

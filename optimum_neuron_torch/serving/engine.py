@@ -46,7 +46,7 @@ from ..generation.buckets import Buckets
 from ..generation.compiled_generation import COMPILE_CONFIG
 from ..generation.padding import pad_token_id
 from ..generation.tensor_parallel import embeddings_without_padding_index, whole_graphs_reason
-from .requests import NO_PENALTIES, Event, Request, SamplingSettings
+from .requests import NO_PENALTIES, PENALTIES, Event, Request, SamplingSettings
 from .slots import SlotCache, slot_step
 from .tensor_parallel import StepBroadcast
 from .text import TextStream
@@ -439,7 +439,7 @@ class ServingEngine:
         self.cache.writes.positions = positions_tensor
         self.cache.writes.slot = None if slot is None else torch.tensor([slot], device=device)
         self.cache.writes.context = context
-        sampled = slot is not None or any(row[0] > 0 or row[5:8] != NO_PENALTIES for row in sampling)
+        sampled = slot is not None or any(row[0] > 0 or row[PENALTIES] != NO_PENALTIES for row in sampling)
         try:
             return self._step(self.model, self.cache, torch.tensor(ids, device=device), positions_tensor,
                               torch.tensor([last], device=device), torch.tensor(sampling, device=device),

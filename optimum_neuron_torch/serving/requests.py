@@ -10,7 +10,12 @@ import torch
 from ..generation.sampling import SamplingParameters
 from .text import TextStream
 
-NO_PENALTIES = [1.0, 0.0, 0.0]  # repetition, presence, frequency: the logits as they are
+# The columns of a row of the step's sampling tensor (`SamplingSettings.row`): the warpers'
+# parameters (`SamplingParameters.row`), the penalties, whether the row's token is taken.
+WARPERS = slice(0, len(SamplingParameters().row()))
+PENALTIES = slice(WARPERS.stop, WARPERS.stop + 3)  # repetition, presence, frequency
+TAKEN = PENALTIES.stop
+NO_PENALTIES = [1.0, 0.0, 0.0]  # the logits as they are
 
 
 @dataclass
@@ -40,8 +45,8 @@ class SamplingSettings:
     seed: int | None = None
 
     def row(self, taken: bool = True) -> list[float]:
-        """The row of the step's sampling tensor (see `slots.slot_step`): the warpers' parameters
-        (`SamplingParameters.row`), the penalties, and whether the row's token is taken."""
+        """The row of the step's sampling tensor (see `slots.slot_step`; its columns: `WARPERS`,
+        `PENALTIES`, `TAKEN`)."""
         warpers = SamplingParameters(self.temperature, self.top_k, self.top_p, 1, self.min_p).row()
         return [*warpers, self.repetition_penalty, self.presence_penalty, self.frequency_penalty, float(taken)]
 

@@ -33,7 +33,8 @@ from transformers import PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from .. import errors
-from ..generation.sampling import penalize, sample
+from ..generation.sampling import SamplingParameters, penalize, sample
+from .requests import PENALTIES, TAKEN, WARPERS
 
 
 @dataclass
@@ -182,11 +183,11 @@ def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor,
     prefill = cache.writes.slot is not None
     rows = cache.writes.slot if prefill else torch.arange(input_ids.shape[0], device=input_ids.device)
     seen, counts = cache.tokens.read(rows, input_ids, positions, last, prefill)
-    logits = penalize(logits, sampling[:, 5:8], seen, counts)
+    logits = penalize(logits, sampling[:, PENALTIES], seen, counts)
     greedy = sampling[:, 0] == 0
     # (a greedy row samples without warpers, which keeps its arithmetic finite, and takes the argmax)
-    neutral = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0], device=sampling.device)
-    parameters = torch.where(greedy[:, None], neutral, sampling[:, :5])
+    neutral = torch.tensor(SamplingParameters().row(), device=sampling.device)
+    parameters = torch.where(greedy[:, None], neutral, sampling[:, WARPERS])
     tokens = torch.where(greedy, logits.argmax(-1), sample(logits, parameters, uniform))
-    cache.tokens.update(rows, seen, counts, tokens, sampling[:, 8])
+    cache.tokens.update(rows, seen, counts, tokens, sampling[:, TAKEN])
     return tokens
