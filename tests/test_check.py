@@ -50,31 +50,31 @@ def test_the_compile_bill_counts_the_graphs_of_the_buckets(folders):
     assert report.compile_bill == model.compile_bill()
     assert report.compile_bill[0].startswith("buckets: batch sizes [1, 2, 4, 8], prompt buckets [16")
     assert f"max length {length}" in report.compile_bill[0]
-    programs = distinct_programs(model.neuron_generation.graph_plan())
+    programs = distinct_programs(model.neuron_generation.graph_plan(), engine=True)
     assert report.compile_bill[2] == (f"distinct programs after layer reuse: {programs} (each graph: the code "
                                       f"before its {config['num_hidden_layers']} decoder layers, 1 layer program "
                                       "called for all of them, the code after; graphs of the same shapes share "
                                       "them)")
     bill = model.compile_bill(batch_sizes=(1,), prompt_buckets=(16,), max_length=64, context_buckets=(32,))
-    assert bill[1] == "graphs to compile: 4 graphs: 1 prefill, 2 decode, 1 chunk"
+    assert bill[1] == "graphs to compile: 5 graphs: 1 prefill, 2 chunk, 2 decode"
     assert model.neuron_generation.buckets.batch_sizes == (1, 2, 4, 8)  # the bill changed nothing
 
 
-@pytest.mark.parametrize("layer_reuse", [True, False])
+@pytest.mark.parametrize("layer_reuse", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_the_bill_counts_the_programs_precompile_compiles(folders, layer_reuse, tmp_path, monkeypatch):
     monkeypatch.setenv(COMPILE_CACHE_ENV, str(tmp_path))
     monkeypatch.setenv(DISABLE_LAYER_REUSE_ENV, "0" if layer_reuse else "1")
     torch._dynamo.reset()
     model = ont.NeuronAutoModelForCausalLM.from_pretrained(folders["llama"])
-    # a prefill, two decode steps, a chunk and two sampling decode steps: programs shared between them
+    # a prefill, two chunks, two decode steps and two sampling decode steps: programs shared between them
     buckets = dict(batch_sizes=(1,), prompt_buckets=(16,), max_length=64, context_buckets=(32,))
     bill = model.compile_bill(**buckets, sampling=True)
     before = cache_stats()
     model.precompile(show_progress=False, sampling=True, **buckets)
     compiled = cache_stats().misses - before.misses
-    assert bill[1] == "graphs to compile: 6 graphs: 1 prefill, 2 decode, 1 chunk, 2 sampling decode"
+    assert bill[1] == "graphs to compile: 7 graphs: 1 prefill, 2 chunk, 2 decode, 2 sampling decode"
     expected = "distinct programs after layer reuse: " if layer_reuse else "distinct programs: "
-    assert bill[2].startswith(f"{expected}{compiled} (") and compiled == (10 if layer_reuse else 6)
+    assert bill[2].startswith(f"{expected}{compiled} (") and compiled == (13 if layer_reuse else 7)
 
 
 def test_t5_relative_position_buckets_fall_back(folders):

@@ -12,7 +12,10 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import optimum_neuron_torch
-from optimum_neuron_torch.compiler.cache import CompileCache
+from optimum_neuron_torch.commands.models import load_generative_model
+from optimum_neuron_torch.commands.serve import serving_buckets
+from optimum_neuron_torch.compiler.cache import CompileCache, cache_stats, reset_cache_stats
+from optimum_neuron_torch.generation.engine import GenerationEngine
 from optimum_neuron_torch.settings import COMPILE_CACHE_ENV as CACHE_ENV
 from testing_utils import optimum_cli
 from tiny_models import PROGRAMS_PER_GRAPH, TINY_MODELS, tiny_tokenizer
@@ -24,7 +27,7 @@ CHAT_TEMPLATE = (
 PROMPT = "what is the capital of france?"
 NEW_TOKENS = 8
 BUCKETS = ("--batch-sizes", "1", "--prompt-buckets", "16", "--max-length", "64", "--context-buckets", "32")
-RUN, DISTINCT = 4 * PROGRAMS_PER_GRAPH, 9  # the programs the 4 graphs of BUCKETS run, and the distinct ones
+RUN, DISTINCT = 7 * PROGRAMS_PER_GRAPH, 13  # the programs the 7 graphs of BUCKETS run, and the distinct ones
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +84,13 @@ def test_every_command_has_help(command, described):
 
 
 def test_generate_streams_the_chat_answer_of_transformers(chat_model, compiled):
+    """On the folder `compile --save` wrote: its graphs serve generate(), which compiles nothing."""
     system = "answer in one word"
-    done = optimum_cli("generate", PROMPT, "--model", str(chat_model), "--max-new-tokens", str(NEW_TOKENS),
+    entries = sorted(entry.key for entry in CompileCache(compiled[1]).entries())
+    done = optimum_cli("generate", PROMPT, "--model", str(compiled[2]), "--max-new-tokens", str(NEW_TOKENS),
                        "--system", system, env={CACHE_ENV: str(compiled[1])})
     assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(entry.key for entry in CompileCache(compiled[1]).entries()) == entries
 
     tokenizer = AutoTokenizer.from_pretrained(chat_model)
     messages = [{"role": "system", "content": system}, {"role": "user", "content": PROMPT}]
@@ -93,7 +99,7 @@ def test_generate_streams_the_chat_answer_of_transformers(chat_model, compiled):
 
 
 def test_generate_reads_the_prompt_from_stdin(chat_model, compiled):
-    done = optimum_cli("generate", "--model", str(chat_model), "--max-new-tokens", str(NEW_TOKENS),
+    done = optimum_cli("generate", "--model", str(compiled[2]), "--max-new-tokens", str(NEW_TOKENS),
                        "--no-chat-template",
                        env={CACHE_ENV: str(compiled[1])}, input=f"{PROMPT}\n")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -105,9 +111,9 @@ def test_generate_reads_the_prompt_from_stdin(chat_model, compiled):
 def test_compile_reports_its_graphs_and_saves_them_with_the_model(chat_model, compiled, tmp_path):
     stdout, cache, saved = compiled
     assert "batch sizes [1], prompt buckets [16], max length 64, context buckets [32, 64]" in stdout
-    # the prompt bucket's prefill (in context 32), a decode step per context bucket, and the chunk of a
-    # prompt of two chunks in the context 64: 4 graphs, 12 programs (PROGRAMS_PER_GRAPH), of which 9 distinct (the
-    # bill's count, below); the other 3 load what another graph compiled
+    # the prompt bucket's prefill, a chunk of a longer prompt per context bucket (32, 64), a decode step
+    # and one that samples per context bucket: 7 graphs, 21 programs (PROGRAMS_PER_GRAPH), of which 13
+    # distinct (the bill's count, below); the other 8 load what another graph compiled
     assert f"{DISTINCT} graphs compiled" in stdout and f"{RUN - DISTINCT} loaded from the compile cache" in stdout
     assert str(cache) in stdout
 
@@ -123,12 +129,26 @@ def test_compile_reports_its_graphs_and_saves_them_with_the_model(chat_model, co
     assert "0 graphs compiled" in again.stdout and f"{RUN} loaded from the compile cache" in again.stdout
 
 
+def test_serve_on_a_compiled_and_saved_model_compiles_nothing(compiled, monkeypatch):
+    """The server's engine on the folder `compile --save` wrote, with the buckets it was saved with:
+    every graph it warms up loads from the cache (a warm start, traced by Dynamo or not, compiles no
+    program)."""
+    monkeypatch.setenv(CACHE_ENV, str(compiled[1]))
+    torch._dynamo.reset()
+    reset_cache_stats()
+    model = load_generative_model(str(compiled[2]))
+    engine = GenerationEngine(model, serving_buckets(model), AutoTokenizer.from_pretrained(compiled[2]))
+    engine.warm_up(show_progress=False)
+    assert (cache_stats().misses, cache_stats().hits) == (0, RUN)
+    assert serving_buckets(model, batch_size=2).batch_sizes == (1, 2)  # (options given replace the saved ones)
+
+
 def test_compile_dry_run_prints_the_bill_and_compiles_nothing(chat_model, tmp_path):
     done = optimum_cli("compile", str(chat_model), *BUCKETS, "--dry-run", env={CACHE_ENV: str(tmp_path / "cache")})
     assert done.returncode == 0, done.stderr[-3000:]
-    # the same 4 graphs `compile` reports compiling for these buckets (test above)
+    # the same 7 graphs `compile` reports compiling for these buckets (test above)
     assert "MistralForCausalLM: the compile bill (--dry-run: nothing compiled)" in done.stdout
-    assert "graphs to compile: 4 graphs: 1 prefill, 2 decode, 1 chunk" in done.stdout
+    assert "graphs to compile: 7 graphs: 1 prefill, 2 chunk, 2 decode, 2 sampling decode" in done.stdout
     assert f"distinct programs after layer reuse: {DISTINCT} (" in done.stdout
     assert list(CompileCache(tmp_path / "cache").entries()) == []
 

@@ -235,7 +235,7 @@ def test_cli_lists_reports_and_clears_the_cache(filled_cache, tmp_path):
 
     listed = cli("list")
     assert listed.startswith(f"{PROGRAMS} compiled graphs and {FUNCTIONS} compiled functions in {tmp_path / 'cache'}")
-    assert listed.count("function optimum_neuron_torch.generation.compiled_generation._step") == FUNCTIONS
+    assert listed.count("function optimum_neuron_torch.generation.slots.slot_step") == FUNCTIONS
     assert f"graphs: {PROGRAMS}\ncompiled functions (warm starts without tracing): {FUNCTIONS}" in cli("stats")
     assert f"removed {PROGRAMS + FUNCTIONS} compiled graphs and functions" in cli("clear")
     assert "graphs: 0" in cli("stats")

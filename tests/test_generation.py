@@ -137,8 +137,9 @@ def test_no_recompile_after_warm_up(llama):
 def test_warm_up_compiles_one_graph_per_bucket(fresh_dynamo):
     _, model = compiled("llama", Buckets((1, 4), (8, 16), 64))
     model.precompile(show_progress=False)
-    assert graphs() == 2 * (2 + 1)  # per batch bucket: a prefill per prompt bucket, and the decode step
-    assert describe_plan(model.neuron_generation.graph_plan()) == "6 graphs: 4 prefill, 2 decode"
+    # A prefill per prompt bucket, the chunk of a longer prompt, a decode step per batch bucket.
+    assert describe_plan(model.neuron_generation.graph_plan()) == "5 graphs: 2 prefill, 1 chunk, 2 decode"
+    assert graphs() == 5
 
 
 def test_warm_up_with_sampling_compiles_the_decode_steps_that_sample():
@@ -147,8 +148,8 @@ def test_warm_up_with_sampling_compiles_the_decode_steps_that_sample():
     _, model = compiled("llama", Buckets((1,), (8,), 40))
     clear_counts()
     model.precompile(show_progress=False, sampling=True)
-    assert graphs() == 3  # the prefill, the decode step, and the decode step that samples
-    assert len(model.neuron_generation.graph_plan(sampling=True)) == 3
+    assert graphs() == 4  # the prefill, a chunk, the decode step, and the decode step that samples
+    assert len(model.neuron_generation.graph_plan(sampling=True)) == 4
     clear_counts()
     model.generate(prompt(5), max_new_tokens=6, do_sample=True, temperature=0.7, top_p=0.9)
     assert graphs() == 0 and recompiles() == 0
@@ -206,24 +207,25 @@ def test_padded_batch_matches_one_by_one(llama):
     assert batch.tolist() == cpu.generate(ids, attention_mask=mask, max_new_tokens=6, **GREEDY).tolist()
 
 
-def test_greedy_steps_move_the_chosen_tokens_to_the_host_and_processors_the_logits(llama):
-    """Greedy search without logits processors takes the tokens the graph chose: each forward moves
-    8 bytes a row (of the batch bucket) to the host instead of the logits row. With a processor
-    that reads the logits (repetition penalty) or scores asked for, the logits cross as before. All
-    give Transformers' tokens (and scores)."""
+def test_greedy_steps_and_a_repetition_penalty_move_the_chosen_tokens_only(llama):
+    """Greedy search, with or without Transformers' repetition penalty (applied in the step, from the
+    token counts of each slot), moves each step's chosen tokens to the host, 8 bytes a row, never
+    the logits; asked for scores, the logits cross (on compiled generation's graphs). All give
+    Transformers' tokens (and scores)."""
     cpu, model = llama
     # (prompts whose greedy tokens change along the sequence, to a larger token id and to a smaller)
-    ids, new_tokens, bucket_rows = prompt(5, batch=3, seed=6), 7, 4
+    ids, new_tokens = prompt(5, batch=3, seed=6), 7
     moved = {}
-    for name, settings in (("tokens", GREEDY), ("logits", dict(GREEDY, repetition_penalty=1.5))):
+    for name, settings in (("greedy", GREEDY), ("penalized", dict(GREEDY, repetition_penalty=1.5))):
+        model.generate(ids, max_new_tokens=2, **settings)  # (the step that penalizes compiles on first use)
         reference.clear_transfer_counts()
         generated = model.generate(ids, max_new_tokens=new_tokens, **settings)
         moved[name] = reference.transfer_counts()
         assert generated.tolist() == cpu.generate(ids, max_new_tokens=new_tokens, **settings).tolist()
-    # (the same forwards and the same other reads: the difference is the row each forward moves)
-    saved = moved["logits"]["device_to_host_bytes"] - moved["tokens"]["device_to_host_bytes"]
-    assert saved == new_tokens * bucket_rows * (4 * VOCAB - 8)
-    assert moved["logits"]["synchronizations"] == moved["tokens"]["synchronizations"]
+    # (3 prefills and a decode step per token at most, each reading its tokens back: 8 bytes a row of
+    # the batch bucket, where the logits would be 4 * VOCAB bytes a row)
+    assert moved["penalized"] == moved["greedy"]
+    assert moved["greedy"]["device_to_host_bytes"] <= (3 + new_tokens) * 4 * 8
 
     scored = dict(GREEDY, max_new_tokens=4, output_scores=True, return_dict_in_generate=True)
     output, expected = model.generate(ids, **scored), cpu.generate(ids, **scored)
@@ -235,10 +237,10 @@ def test_greedy_steps_move_the_chosen_tokens_to_the_host_and_processors_the_logi
 @pytest.mark.parametrize("settings", [GREEDY, dict(do_sample=True, temperature=0.8, top_k=8, top_p=0.9)],
                          ids=["greedy", "sampled"])
 def test_a_decode_step_moves_its_inputs_and_tokens_only_with_one_synchronization(llama, length, settings):
-    """Each decode step of a batch bucket of 4 rows moves, per row, its token id, its position and the
-    two bounds of its attention mask's interval (8 + 8 + 2 x 4 bytes) to the device, with a uniform
-    number (4 bytes) when it samples, and its token (8 bytes) back: one synchronization a step (the
-    cache's length comes from the host, not the device)."""
+    """Each decode step of a batch bucket of 4 rows moves, per row, its token id, its position, its
+    sampling row (9 x 4 bytes: warpers, penalties, whether its token counts) and a uniform number (4
+    bytes), and the index of the logits kept (8 bytes), to the device, and its token (8 bytes) back:
+    one synchronization a step, greedy or sampled."""
     _, model = llama
     ids, rows, steps = prompt(length, batch=3, seed=6), 4, 4
     model.generate(ids, max_new_tokens=2, **settings)  # (the sampled decode graph compiles on first use)
@@ -250,16 +252,14 @@ def test_a_decode_step_moves_its_inputs_and_tokens_only_with_one_synchronization
         counts.append(reference.transfer_counts())
         assert generated.shape[1] == length + new_tokens
     step = {name: (counts[1][name] - counts[0][name]) / steps for name in counts[0]}
-    drawn = 4 if settings.get("do_sample") else 0
-    assert step == {"host_to_device_bytes": rows * (8 + 8 + 8 + drawn), "host_to_device_copies": 3 + bool(drawn),
+    assert step == {"host_to_device_bytes": rows * (8 + 8 + 9 * 4 + 4) + 8, "host_to_device_copies": 5,
                     "device_to_host_bytes": rows * 8, "synchronizations": 1}
 
 
 def test_sampled_decode_steps_draw_their_tokens_in_the_graph(llama):
-    """With Transformers' warpers only (temperature, top-k, top-p), decode steps draw their tokens in
-    the graph: a seed draws the same sequences, another seed others, every token is among the top-k
-    of the CPU model's logits, top_k=1 draws the greedy tokens, and the logits cross to the host only
-    once (the prefill's, which Transformers warps and samples on the host)."""
+    """With Transformers' warpers (temperature, top-k, top-p), the steps draw their tokens in the
+    graph: a seed draws the same sequences, another seed others, every token is among the top-k of
+    the CPU model's logits, top_k=1 draws the greedy tokens, and the logits never cross to the host."""
     cpu, model = llama
     ids, new_tokens = prompt(5, batch=3, seed=6), 12
     settings = dict(do_sample=True, temperature=0.8, top_k=8, top_p=0.9, eos_token_id=None)
@@ -280,7 +280,7 @@ def test_sampled_decode_steps_draw_their_tokens_in_the_graph(llama):
         generated = model.generate(ids, max_new_tokens=new_tokens, eos_token_id=None, **call_settings)
         moved[name] = reference.transfer_counts()
         assert generated.tolist() == greedy.tolist()
-    assert moved["sampled"]["device_to_host_bytes"] - moved["greedy"]["device_to_host_bytes"] == 4 * (4 * VOCAB - 8)
+    assert moved["sampled"]["device_to_host_bytes"] == moved["greedy"]["device_to_host_bytes"]
 
 
 def test_sampling_is_reproducible_under_manual_seed(llama):
@@ -403,44 +403,44 @@ def test_prompt_buckets_have_one_name_and_the_old_one_still_reads_with_a_warning
         assert Buckets.from_dict(saved_before) == buckets
 
 
-def context_lengths(model) -> list[tuple[int, int]]:
-    """Records (query length, cache length attended over) of every compiled forward of `model`."""
-    seen, forward = [], model.neuron_generation.forward
+def engine_steps(model) -> list[tuple[int, int, int]]:
+    """Records (rows, tokens per row, positions attended over) of every step of `model`'s engine."""
+    seen, engine = [], model.neuron_generation.engine
+    run_step = engine.device.run
 
-    def recording(**inputs):
-        seen.append((inputs["input_ids"].shape[1], inputs["cache"].layers[0].keys.shape[2]))
-        return forward(**inputs)
+    def recording(ids, positions, last, context, *args):
+        seen.append((len(ids), len(ids[0]), context))
+        return run_step(ids, positions, last, context, *args)
 
-    model.neuron_generation.forward = recording
+    engine.device.run = recording
     return seen
 
 
 @pytest.mark.parametrize("name", ["llama", pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_each_step_attends_over_the_context_bucket_of_its_length(name, fresh_dynamo):
-    """Context buckets 24, 48 and the cache (96): every step reads the smallest bucket that holds the
-    sequence after it, from prefill to the cache's last slot, growing mid-generation over one shared
-    cache; tokens equal the CPU's; precompile() compiled every graph those calls meet. Gemma 2's
-    sliding-window layers become full layers, which the windows narrow too."""
+    """Context buckets 24, 48 and the cache (96): a prompt is prefilled over its bucket, or, longer
+    than the largest one, in chunks over the smallest context bucket that holds each; every decode
+    step reads the smallest bucket that holds its longest row, from the first token to the cache's
+    last slot; tokens equal the CPU's; precompile() compiled every graph those calls meet. Gemma 2's
+    sliding-window layers become full layers under a sliding mask, which the buckets narrow too."""
     buckets = Buckets((1, 2), (8, 16), 96, (24, 48))
     cpu, model = compiled(name, buckets, **({"sliding_window": 6} if name == "gemma2" else {}))
     model.precompile(show_progress=False)
-    # Per batch bucket: 2 prompt buckets' prefills (context 24), a decode step per context bucket, and a
-    # chunk of a two-chunk prompt (16 + 16 and more) in the contexts 48 and 96.
-    assert graphs() == 2 * (2 + 3 + 2) <= model.neuron_generation.graph_budget
     plan = model.neuron_generation.graph_plan()  # the compile bill: the graphs precompile() compiled
-    assert describe_plan(plan) == "14 graphs: 4 prefill, 6 decode, 4 chunk"
-    assert sorted({(graph.role, graph.context) for graph in plan}) == [
-        ("chunk", 48), ("chunk", 96), ("decode", 24), ("decode", 48), ("decode", 96), ("prefill", 24)]
-    compiled_graphs, seen = graphs(), context_lengths(model)
-    for length, new_tokens, batch in [(5, 88, 1), (33, 40, 2), (20, 4, 2)]:
+    assert describe_plan(plan) == "10 graphs: 2 prefill, 2 chunk, 6 decode"
+    assert graphs() == len(plan)
+    compiled_graphs, seen = graphs(), engine_steps(model)
+    shapes = {(graph.batch, graph.tokens, graph.context) for graph in plan}
+    for length, new_tokens, batch in [(5, 91, 1), (40, 20, 1), (33, 40, 2), (20, 4, 2)]:
         ids = prompt(length, batch, seed=length)
-        settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, **GREEDY)
+        settings = dict(max_new_tokens=new_tokens, eos_token_id=None, **GREEDY)
         assert (model.generate(ids.to("neuron"), **settings).cpu().tolist()
                 == cpu.generate(ids, **settings).tolist()), (length, new_tokens)
-        padded, chunk = buckets.prompt_shape_for(length)
-        chunks = [(chunk, buckets.context_bucket_for(padded))] * (padded // chunk)
-        steps = [(1, buckets.context_bucket_for(padded + step)) for step in range(1, new_tokens)]
-        assert seen == chunks + steps, (length, seen[:len(chunks) + 2])
+        assert set(seen) <= shapes
+        if batch == 1:
+            pieces = [(1, 8, 8)] if length <= 8 else [(1, 16, 16), (1, 16, 48), (1, 16, 48)]
+            steps = [(1, 1, buckets.context_bucket_for(length + step)) for step in range(1, new_tokens)]
+            assert seen == pieces + steps, (length, seen[:len(pieces) + 2])
         seen.clear()
     assert (graphs(), recompiles()) == (compiled_graphs, 0)
 
@@ -450,14 +450,15 @@ def test_a_cache_filled_exactly_stays_compiled_and_one_past_falls_back(llama):
     slot on the compiled graphs; one token more is Transformers' eager generate(), with a warning."""
     cpu, model = llama
     ids = prompt(16, seed=11)
+    settings = dict(eos_token_id=None, **GREEDY)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no fall-back warning: the graphs serve it
-        full = model.generate(ids.to("neuron"), max_new_tokens=48, min_new_tokens=48, **GREEDY).cpu()
+        full = model.generate(ids.to("neuron"), max_new_tokens=48, **settings).cpu()
     assert full.shape == (1, 64)
-    assert full.tolist() == cpu.generate(ids, max_new_tokens=48, min_new_tokens=48, **GREEDY).tolist()
+    assert full.tolist() == cpu.generate(ids, max_new_tokens=48, **settings).tolist()
     with pytest.warns(UserWarning, match="cache holds 64"):
-        past = model.generate(ids.to("neuron"), max_new_tokens=49, min_new_tokens=49, **GREEDY).cpu()
-    assert past.tolist() == cpu.generate(ids, max_new_tokens=49, min_new_tokens=49, **GREEDY).tolist()
+        past = model.generate(ids.to("neuron"), max_new_tokens=49, **settings).cpu()
+    assert past.tolist() == cpu.generate(ids, max_new_tokens=49, **settings).tolist()
 
 
 @pytest.mark.parametrize("name", [pytest.param("llama", marks=pytest.mark.slow), "mistral", *SLOW_ARCHITECTURES])
@@ -658,10 +659,13 @@ def test_a_bad_input_raises_its_own_error_and_the_model_still_generates_compiled
     cpu, model = llama
     too_large = torch.full((1, 4), VOCAB + 7)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # no "does not run on the compiled graphs" warning
-        with pytest.raises((IndexError, RuntimeError)):
+        # no "does not run on the compiled graphs" warning (others, e.g. about warm starts, may come:
+        # this test runs after models of new classes, whose outputs Dynamo's guards count)
+        warnings.filterwarnings("error", message="generate\\(\\) with", category=UserWarning)
+        with pytest.raises(IndexError, match=f"input_ids holds the token id {VOCAB + 7}, outside the model's "
+                                             f"vocabulary of {VOCAB}"):
             model.generate(too_large.to("neuron"), max_new_tokens=2, **GREEDY)
-        assert model.neuron_generation.unservable is None
+        assert model.neuron_generation.unservable is None and model.neuron_generation.engine_gap is None
         ids = prompt(5)
         assert model.generate(ids.to("neuron"), max_new_tokens=3, **GREEDY).cpu().tolist() == \
             cpu.generate(ids, max_new_tokens=3, **GREEDY).tolist()

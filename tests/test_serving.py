@@ -22,11 +22,12 @@ import uvicorn
 
 import optimum_neuron_torch as ont
 from optimum_neuron_torch.compiler import cache_stats
+from optimum_neuron_torch.generation.buckets import Buckets
+from optimum_neuron_torch.generation.engine import GenerationEngine
+from optimum_neuron_torch.generation.requests import Event, SamplingSettings
+from optimum_neuron_torch.generation.requests import Request as EngineRequest
+from optimum_neuron_torch.generation.text import TextStream
 from optimum_neuron_torch.serving.app import build_app
-from optimum_neuron_torch.serving.engine import ServingEngine
-from optimum_neuron_torch.serving.requests import Event, SamplingSettings
-from optimum_neuron_torch.serving.requests import Request as EngineRequest
-from optimum_neuron_torch.serving.text import TextStream
 from testing_utils import free_port, launcher_environment
 from tiny_models import DECODER, TENSOR_PARALLEL_MODELS, tiny_tokenizer
 
@@ -76,7 +77,7 @@ def server(folder, tokenizer):
     """The server on a free port of localhost, in this process (on a thread), so that tests can
     look at its engine: (engine, base URL)."""
     model = ont.NeuronAutoModelForCausalLM.from_pretrained(folder)
-    engine = ServingEngine(model, tokenizer, batch_size=SLOTS, max_length=MAX_LENGTH, prompt_buckets=PROMPT_BUCKETS)
+    engine = GenerationEngine(model, Buckets.for_slots(model.config, SLOTS, MAX_LENGTH, PROMPT_BUCKETS), tokenizer)
     port = free_port()
     uvicorn_server = uvicorn.Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=port,
                                                    log_level="warning"))
@@ -84,7 +85,7 @@ def server(folder, tokenizer):
     thread.start()
     engine.start()
     engine.wait_ready(timeout=600)
-    assert engine._step.whole_graph_reason is None  # (its steps compiled a layer at a time)
+    assert engine.device.step.whole_graph_reason is None  # (its steps compiled a layer at a time)
     yield engine, f"http://127.0.0.1:{port}"
     uvicorn_server.should_exit = True
     thread.join(60)
@@ -406,7 +407,7 @@ def test_a_request_that_fails_fails_alone_and_the_engine_serves_on(server, clien
     events: list[Event] = []
     engine.submit(EngineRequest(tokenizer(QUESTIONS[1]).input_ids, 4, SamplingSettings(temperature=1.0, seed=2**70),
                                 [], events.append))
-    step, failed = engine._step, []
+    step, failed = engine.device.step, []
 
     def failing_decode(*args, **kwargs):
         if engine.cache.writes.slot is None and not failed:  # (the first decode step only)
@@ -414,7 +415,7 @@ def test_a_request_that_fails_fails_alone_and_the_engine_serves_on(server, clien
             raise RuntimeError("a decode step that fails")
         return step(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "_step", failing_decode)
+    monkeypatch.setattr(engine.device, "step", failing_decode)
     engine.submit(EngineRequest(tokenizer(QUESTIONS[2]).input_ids, 4, SamplingSettings(), [], events.append))
     deadline = time.monotonic() + 120
     while len([event for event in events if event.finish_reason]) < 2 and time.monotonic() < deadline:
@@ -474,7 +475,7 @@ def test_api_key_body_limit_health_and_models(server, folder, tokenizer):
             response = await http.post("/v1/completions", headers=key, content=_chunks(json.dumps(large).encode()))
             assert response.status_code == 413  # (no Content-Length: counted while read)
         # An engine still compiling: /health and requests answer 503.
-        starting = ServingEngine(engine.model, tokenizer, batch_size=1, max_length=MAX_LENGTH)
+        starting = GenerationEngine(engine.model, Buckets.for_slots(engine.model.config, 1, MAX_LENGTH), tokenizer)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(build_app(starting, NAME)),
                                      base_url="http://test") as http:
             health = await http.get("/health")
@@ -528,7 +529,8 @@ def start_command(folder: Path, *arguments: str, env: dict[str, str] | None = No
 def test_the_command_serves_on_localhost_and_drains_on_sigterm(folder, cpu_model, tokenizer):
     """`optimum-cli neuron-torch serve`: binds 127.0.0.1; on SIGTERM it takes no new request, finishes
     the one streaming, and exits 0."""
-    process, url = start_command(folder, "--batch-size", str(SLOTS),
+    # (one slot and one prompt bucket: 4 graphs to compile, what this test needs)
+    process, url = start_command(folder, "--batch-size", "1", "--prompt-buckets", "16",
                                  env={**os.environ, "OPTIMUM_NEURON_TORCH_API_KEY": "secret"})
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="secret", max_retries=0)

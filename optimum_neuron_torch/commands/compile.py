@@ -31,11 +31,15 @@ def compile_model(model_id: str, batch_sizes: tuple[int, ...] | None = None,
     first = is_first_rank()
     if dry_run:
         if first:
-            bill = model.compile_bill(batch_sizes, prompt_buckets, max_length, context_buckets)
+            bill = model.compile_bill(batch_sizes, prompt_buckets, max_length, context_buckets,
+                                      sampling=True if model.neuron_generation.engine_gap is None else None)
             print("\n".join([f"{type(model).__name__}: the compile bill (--dry-run: nothing compiled)", *bill]))
         return
     reset_cache_stats()
-    model.precompile(batch_sizes, prompt_buckets, max_length, show_progress=first, context_buckets=context_buckets)
+    # (the engine's decode steps that sample too: what `serve` runs, which then compiles nothing)
+    sampling = True if model.neuron_generation.engine_gap is None else None
+    model.precompile(batch_sizes, prompt_buckets, max_length, show_progress=first, context_buckets=context_buckets,
+                     sampling=sampling)
     if save is not None:
         model.save_pretrained(save)  # (under tensor parallelism, every rank: each saves its graphs)
     if not first:

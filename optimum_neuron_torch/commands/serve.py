@@ -2,17 +2,18 @@
 
 With `--tp-size N` this process is one rank of a job of N (see `launch`): every rank loads its
 part of the model and builds the same engine; rank 0 serves HTTP and schedules, the others run the
-device calls it sends them (`serving.tensor_parallel`).
+device calls it sends them (`generation.tensor_parallel.StepBroadcast`).
 """
 
 from __future__ import annotations
 
 import signal
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedModel
 
 from .. import settings
 from ..errors import MissingDependencyError
+from ..generation.buckets import Buckets
 from ..loading import default_model_path
 from .launch import is_first_rank
 from .models import load_generative_model
@@ -21,29 +22,30 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what clients call the default mo
 DRAIN_SECONDS = 120  # after SIGTERM, how long the requests running may take to finish
 
 
-def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int, max_length: int | None = None,
+def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int | None = None,
+          max_length: int | None = None,
           prompt_buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
           api_key: str | None = None, tp_size: int = 1) -> None:
     """Serves `model_id` (default: the library's default model) until SIGTERM or Ctrl-C; clients
-    name it `model_id` (or `SmolLM2-135M-Instruct`).
+    name it `model_id` (or `SmolLM2-135M-Instruct`). The engine runs `serving_buckets`.
 
     Raises:
         MissingDependencyError: FastAPI, uvicorn or openai is not installed (the `serve` extra).
         ConfigurationError: a model the engine cannot serve (names why).
     """
     try:
-        from ..serving.engine import ServingEngine
+        from ..generation.engine import GenerationEngine
+        from ..generation.tensor_parallel import StepBroadcast
         from ..serving.server import run_server
-        from ..serving.tensor_parallel import StepBroadcast
     except ImportError as error:
         raise MissingDependencyError(f"serving needs the package {error.name}: "
                                      "pip install 'optimum-neuron-torch[serve]'") from None
     folder = str(default_model_path()) if model_id is None else model_id
     model = load_generative_model(folder, tp_size)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    engine = ServingEngine(model, tokenizer, batch_size=batch_size, max_length=max_length,
-                           prompt_buckets=prompt_buckets, prefill_budget=prefill_budget,
-                           broadcast=StepBroadcast() if tp_size > 1 else None)
+    buckets = serving_buckets(model, batch_size=batch_size, max_length=max_length, prompt_buckets=prompt_buckets)
+    engine = GenerationEngine(model, buckets, tokenizer, prefill_budget=prefill_budget,
+                              broadcast=StepBroadcast() if tp_size > 1 else None)
     if not is_first_rank():
         # (rank 0 decides when the job stops: it drains its requests, then tells the others)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -52,3 +54,16 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int,
         return
     run_server(engine, model_id or DEFAULT_MODEL_NAME, host=host, port=port, drain_seconds=DRAIN_SECONDS,
                api_key=api_key if api_key is not None else settings.serving_api_key())
+
+
+def serving_buckets(model: PreTrainedModel, *, batch_size: int | None = None, max_length: int | None = None,
+                    prompt_buckets: tuple[int, ...] | None = None) -> Buckets:
+    """The buckets the server runs `model` on: the model's (those it was saved with by `compile
+    --save`, whose graphs then load, else the defaults), or, with any of these given, `batch_size`
+    slots (default: the model's largest batch bucket), `max_length` and `prompt_buckets` (default:
+    the model's)."""
+    buckets = model.neuron_generation.buckets
+    if (batch_size, max_length, prompt_buckets) == (None, None, None):
+        return buckets
+    return Buckets.for_slots(model.config, batch_size or buckets.batch_sizes[-1], max_length or buckets.max_length,
+                             prompt_buckets or buckets.prompt_buckets)

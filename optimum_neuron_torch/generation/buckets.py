@@ -69,6 +69,15 @@ class Buckets:
             prompt_buckets.append(prompt_buckets[-1] * 4)
         return cls(DEFAULT_BATCH_SIZES, tuple(prompt_buckets), max_length)
 
+    @classmethod
+    def for_slots(cls, config: PretrainedConfig, slots: int, max_length: int | None = None,
+                  prompt_buckets: tuple[int, ...] | None = None) -> Buckets:
+        """The default buckets (see `default`) of an engine of `slots` decode slots: batch sizes the
+        powers of two below `slots`, and `slots`."""
+        default = cls.default(config, max_length)
+        powers_of_two = tuple(2**power for power in range(slots.bit_length()) if 2**power < slots)
+        return cls((*powers_of_two, slots), prompt_buckets or default.prompt_buckets, default.max_length)
+
     def batch_size_for(self, batch_size: int) -> int | None:
         """The smallest batch bucket that holds `batch_size`, or None."""
         return next((size for size in self.batch_sizes if size >= batch_size), None)
@@ -169,6 +178,36 @@ def graph_plan(buckets: Buckets, *, encoder_decoder: bool = False, sampling: boo
     return list(distinct.values())
 
 
+def chunk_contexts(buckets: Buckets) -> tuple[int, ...]:
+    """The context buckets the engine's chunks of a long prompt attend over, after the first (a
+    graph each): a prompt longer than the largest prompt bucket (the chunk) is prefilled a chunk at
+    a time, and a chunk after the first ends at a multiple of the chunk, or at `max_length`."""
+    chunk, longest = buckets.prompt_buckets[-1], buckets.max_length - 1
+    if longest <= chunk:
+        return ()
+    first = buckets.context_bucket_for(min(2 * chunk, buckets.max_length))
+    return tuple(context for context in buckets.context_buckets if context >= first)
+
+
+def engine_plan(buckets: Buckets, *, sampling: bool = True) -> list[PlannedGraph]:
+    """Every graph the generation engine (`engine.GenerationEngine`) runs for `buckets`: a prefill of
+    one prompt per prompt bucket (over the bucket), a chunk per `chunk_contexts`, and per batch and
+    context bucket a greedy decode step and, with `sampling`, one that samples.
+
+    Example:
+        >>> len(engine_plan(Buckets((1, 2), (8, 16), 64, (32, 64))))  # 2 prefills, 2 chunks, 2 x 2 x 2 decode steps
+        12
+    """
+    plan = [PlannedGraph("prefill", 1, length, length) for length in buckets.prompt_buckets]
+    plan += [PlannedGraph("chunk", 1, buckets.prompt_buckets[-1], context) for context in chunk_contexts(buckets)]
+    for batch in buckets.batch_sizes:
+        for context in buckets.context_buckets:
+            plan.append(PlannedGraph("decode", batch, 1, context))
+            if sampling:
+                plan.append(PlannedGraph("sampling decode", batch, 1, context))
+    return plan
+
+
 def describe_plan(plan: list[PlannedGraph]) -> str:
     """One line: how many graphs, and how many of each role, e.g. `28 graphs: 16 prefill, 12 decode`."""
     counts = Counter(graph.role for graph in plan)
@@ -176,7 +215,7 @@ def describe_plan(plan: list[PlannedGraph]) -> str:
 
 
 def compile_bill(buckets: Buckets, plan: list[PlannedGraph], layers: int | None, layer_kinds: int = 1,
-                 layer_reuse: bool = True) -> list[str]:
+                 layer_reuse: bool = True, engine: bool = False) -> list[str]:
     """What compiled generation will compile for `buckets`, in lines for a person: the buckets, the
     graphs by role, and the programs the compiler gets from them (see `distinct_programs`).
 
@@ -187,6 +226,7 @@ def compile_bill(buckets: Buckets, plan: list[PlannedGraph], layers: int | None,
         layer_kinds: how many distinct layers among them (layer classes).
         layer_reuse: whether each distinct layer is compiled once (`compiler.regions`), or every graph
             holds all its layers inline (`OPTIMUM_NEURON_TORCH_DISABLE_LAYER_REUSE=1`).
+        engine: whether `plan` is the generation engine's (`engine_plan`).
 
     Returns:
         The lines.
@@ -195,7 +235,8 @@ def compile_bill(buckets: Buckets, plan: list[PlannedGraph], layers: int | None,
              f"max length {buckets.max_length}, context buckets {list(buckets.context_buckets)}",
              f"graphs to compile: {describe_plan(plan)}"]
     if layers and layer_reuse:
-        lines.append(f"distinct programs after layer reuse: {distinct_programs(plan, layer_kinds)} (each graph: the "
+        programs = distinct_programs(plan, layer_kinds, engine)
+        lines.append(f"distinct programs after layer reuse: {programs} (each graph: the "
                      f"code before its {layers} decoder layers, {layer_kinds} layer program"
                      f"{'s' if layer_kinds > 1 else ''} called for all of them, the code after; graphs of the same "
                      "shapes share them)")
@@ -205,19 +246,26 @@ def compile_bill(buckets: Buckets, plan: list[PlannedGraph], layers: int | None,
     return lines
 
 
-def distinct_programs(plan: list[PlannedGraph], layer_kinds: int = 1) -> int:
+def distinct_programs(plan: list[PlannedGraph], layer_kinds: int = 1, engine: bool = False) -> int:
     """How many programs the compiler gets from `plan` when each graph is compiled a layer at a time
     (`compiler.regions`): the code before the layers per distinct rows and new tokens (and, for a
     decode step, which builds the bounds of its keys there, per context bucket); one program per
     distinct layer per distinct rows, new tokens and context bucket; the code after (the final norm,
     the head, the sampler of a step that samples) per distinct rows and new tokens. Graphs that
     share shapes share programs (the compile cache's key is the code and its shapes), e.g. a step
-    that samples shares all but its last program with the greedy one.
+    that samples shares all but its last program with the greedy one. The generation engine's steps
+    (`engine`) build their masks from their context before the layers, and its prefills sample, so
+    that its programs before the layers are per graph shapes and its programs after per rows, new
+    tokens and whether they sample.
 
     Example:
         >>> distinct_programs([PlannedGraph("decode", 1, 1, 128), PlannedGraph("decode", 1, 1, 512)])
         5
     """
+    if engine:
+        shapes = {(graph.batch, graph.tokens, graph.context) for graph in plan}
+        after = {(graph.role != "decode", graph.batch, graph.tokens) for graph in plan}
+        return len(shapes) * (1 + layer_kinds) + len(after)
     before = {(graph.role == "encoder", graph.batch, graph.tokens, graph.context if graph.tokens == 1 else None)
               for graph in plan}
     layers = {(graph.role == "encoder", graph.batch, graph.tokens, graph.context) for graph in plan}

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
 from tqdm.auto import tqdm
-from transformers import CompileConfig, EncoderDecoderCache, GenerationConfig, PreTrainedModel, StaticCache
+from transformers import EncoderDecoderCache, GenerationConfig, PreTrainedModel, StaticCache
 from transformers.cache_utils import (
     LinearAttentionAndStaticFullAttentionLayer,
     LinearAttentionAndStaticSlidingWindowAttentionLayer,
@@ -52,8 +52,11 @@ from transformers.modeling_outputs import BaseModelOutput
 from ..compiler import regions
 from ..compiler.dynamo_backend import recording_cache_keys
 from ..errors import DEVICE_OR_JOB_FAILURES, NeuronTorchError, first_line
-from .buckets import Buckets, PlannedGraph, compile_bill, graph_plan
+from . import engine_calls
+from .buckets import Buckets, PlannedGraph, compile_bill, engine_plan, graph_plan
+from .compiling import COMPILE_CONFIG, QUIET_WHILE_TRACED
 from .context_windows import ContextWindows
+from .engine import GenerationEngine
 from .interval_masks import for_graph, in_graph
 from .padding import (
     PaddingRowsDone,
@@ -66,6 +69,7 @@ from .padding import (
     unpad,
 )
 from .sampling import SamplingParameters, sample
+from .slots import unsupported_by_slots
 from .tensor_parallel import (
     embeddings_without_padding_index,
     share_random_state,
@@ -73,12 +77,7 @@ from .tensor_parallel import (
     whole_graphs_reason,
 )
 
-COMPILE_CONFIG = CompileConfig(backend="neuron", fullgraph=True, dynamic=False, mode="default")
-# Logging calls Dynamo traces as no-ops in the compiled forward (they still log when run eagerly).
-# `warning_once` and `info_once` are the methods Transformers adds to `logging.Logger`.
-QUIET_WHILE_TRACED = {getattr(logging.Logger, name)
-                      for name in ("debug", "info", "warning", "warning_once", "info_once")
-                      if hasattr(logging.Logger, name)}
+logger = logging.getLogger(__name__)
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 # Kwargs whose presence sends a call to Transformers' eager generate(), with why.
 UNSUPPORTED_KWARGS = {
@@ -139,8 +138,37 @@ class CompiledGeneration:
         # `_scalar_cache_length`): set when a call found its tensor sizing the model's tensors.
         self.cache_length_as_scalar = False
         # One call at a time: the caches, the call's shapes and sampling rows above are this object's,
-        # so a second thread's generate() waits for the first (calls batched together: issue 37's engine).
+        # so a second thread's generate() waits for the first (the engine's calls share its steps).
         self._one_call = threading.RLock()
+        self._engine: GenerationEngine | None = None
+
+    @functools.cached_property
+    def engine_gap(self) -> str | None:
+        """Why the generation engine (`engine.GenerationEngine`) does not run this model's generate()
+        calls, which run on the compiled graphs of this module instead, or None: a model split
+        between ranks, or one whose cache the engine's slots do not hold (see `slots.unsupported_by_slots`)."""
+        if self.unservable is not None:
+            return self.unservable[0]
+        if tensor_parallel_mesh(self.model) is not None:
+            return "a model split between ranks"
+        if self.encoder_decoder:
+            return "an encoder-decoder model"
+        try:
+            cache = StaticCache(config=self.model.config.get_text_config(decoder=True), max_cache_len=1)
+        except Exception as error:  # (a config the static cache cannot read)
+            return f"a config Transformers' static cache cannot read ({first_line(error)})"
+        init_shape = self.model._get_static_cache_init_shape()
+        config = self.model.config.get_text_config(decoder=True)
+        if init_shape is None or not _early_shape_fits(self.model, config, init_shape, cache.layers):
+            return "key/value heads other than those the config gives"
+        return unsupported_by_slots(self.model, cache)
+
+    @property
+    def engine(self) -> GenerationEngine:
+        """The model's generation engine, on its buckets (made at first use)."""
+        if self._engine is None:
+            self._engine = GenerationEngine(self.model, self.buckets)
+        return self._engine
 
     @property
     def graph_budget(self) -> int:
@@ -176,6 +204,8 @@ class CompiledGeneration:
     def set_buckets(self, buckets: Buckets) -> None:
         if (buckets.max_length, buckets.context_buckets) != (self.buckets.max_length, self.buckets.context_buckets):
             self._release_caches()
+        if buckets != self.buckets:
+            self._engine = None
         self.buckets = buckets
 
     def _release_caches(self) -> None:
@@ -350,10 +380,52 @@ class CompiledGeneration:
     # generate() --------------------------------------------------------------------------------
     def generate(self, transformers_generate: Callable[..., Any], inputs: torch.Tensor | None = None,
                  generation_config: GenerationConfig | None = None, **kwargs: Any) -> Any:
-        """Transformers' `generate()` on bucketed shapes and compiled graphs, or unchanged (eager)
-        for what those cannot serve. Calls from several threads run one after the other."""
+        """Transformers' `generate()` on the generation engine (see `engine_calls`), else on bucketed
+        shapes and compiled graphs, or unchanged (eager) for what those cannot serve. Calls from
+        several threads share the engine's steps; on the compiled graphs, they run one after the other."""
+        call = self._engine_call(inputs, generation_config, kwargs)
+        if call is not None:
+            try:
+                sequences = call.run(self.engine)
+            except DEVICE_OR_JOB_FAILURES:
+                raise
+            except Exception as error:
+                if error in call.failures:
+                    raise  # (a stopping criterion's or the streamer's: the caller's)
+                with self._one_call:  # (raises the call's own error if it has one: a bad input)
+                    output = self._generate(transformers_generate, inputs, generation_config, **kwargs)
+                self._leave_engine(error)
+                return output
+            else:
+                return sequences.to(inputs.device if inputs is not None else kwargs["input_ids"].device)
+            finally:
+                self.cache_keys |= self.engine.cache_keys if self._engine is not None else set()
         with self._one_call:
             return self._generate(transformers_generate, inputs, generation_config, **kwargs)
+
+    def _engine_call(self, inputs: torch.Tensor | None, generation_config: GenerationConfig | None,
+                     kwargs: dict[str, Any]) -> engine_calls.EngineCall | None:
+        """The call as requests of the engine, or None if it runs on this module's graphs."""
+        if self.engine_gap is not None:
+            return None
+        for name in UNSUPPORTED_KWARGS:
+            if kwargs.get(name) is not None:
+                return None
+        config, _ = self.model._prepare_generation_config(generation_config, **kwargs)
+        if config.disable_compile:
+            return None
+        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        call = engine_calls.plan(self.model, self.buckets, input_ids,
+                                 generation_config, {k: v for k, v in kwargs.items() if k != "input_ids"})
+        return call if isinstance(call, engine_calls.EngineCall) else None
+
+    def _leave_engine(self, error: Exception) -> None:
+        """After the engine failed a call of this model with `error` (not the device's nor the
+        caller's failure): its calls run on this module's graphs from now on, with a log that says why."""
+        self.engine_gap = _why_not_compiled(error, self.model)[0]
+        self._engine = None  # (its slots' device memory)
+        logger.warning("generate() of %s runs on its compiled graphs without the generation engine, which "
+                       "failed: %s", type(self.model).__name__, self.engine_gap)
 
     def _generate(self, transformers_generate: Callable[..., Any], inputs: torch.Tensor | None,
                   generation_config: GenerationConfig | None, **kwargs: Any) -> Any:
@@ -533,6 +605,8 @@ class CompiledGeneration:
         """The graphs `precompile(sampling=sampling)` compiles for `buckets` (default: the model's);
         see `buckets.graph_plan`."""
         sampling = self.model.generation_config.do_sample if sampling is None else sampling
+        if self.engine_gap is None:
+            return engine_plan(buckets or self.buckets, sampling=sampling)
         return graph_plan(buckets or self.buckets, encoder_decoder=self.encoder_decoder, sampling=sampling,
                           chunks=not self.states_only)
 
@@ -543,7 +617,8 @@ class CompiledGeneration:
         kinds = len({type(layer) for layer in regions.repeated_layers(decoder)})
         return compile_bill(buckets or self.buckets, self.graph_plan(buckets, sampling), layers, max(kinds, 1),
                             layer_reuse=kinds > 0
-                            and regions.reuse_off_reason(whole_graphs_reason(self.model)) is None)
+                            and regions.reuse_off_reason(whole_graphs_reason(self.model)) is None,
+                            engine=self.engine_gap is None)
 
     def precompile(self, show_progress: bool = True, sampling: bool | None = None) -> None:
         """Compiles (or loads from the compile cache) every graph of `graph_plan(sampling=sampling)`
@@ -551,6 +626,11 @@ class CompiledGeneration:
         (its prefill; without context buckets also the decode step), a short prompt whose decode
         steps are held to each context bucket, a prompt of two chunks held to each context bucket a
         chunk needs, and a short prompt sampling in each context bucket (see `sampling`)."""
+        if self.engine_gap is None:
+            sampling = self.model.generation_config.do_sample if sampling is None else sampling
+            self.engine.warm_up(show_progress, sampling=sampling)
+            self.cache_keys |= self.engine.cache_keys
+            return
         buckets = self.buckets
         windows = not self.encoder_decoder and len(buckets.context_buckets) > 1
         shortest = buckets.prompt_buckets[0]

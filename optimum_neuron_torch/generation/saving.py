@@ -29,7 +29,8 @@ from ..device import backend_info
 from ..errors import CompileCacheError
 from ..loading.checkpoint import NEURON_COMPILED_DIR, NEURON_GENERATION_NAME
 from .buckets import Buckets
-from .compiled_generation import COMPILE_CONFIG, CompiledGeneration
+from .compiled_generation import CompiledGeneration
+from .compiling import COMPILE_CONFIG
 from .tensor_parallel import gather_keys, tensor_parallel_mesh
 
 TORCH_CACHE_ARTIFACTS = "torch_cache_artifacts"

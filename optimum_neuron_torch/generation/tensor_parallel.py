@@ -6,9 +6,12 @@ in the mesh."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import Iterator
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
@@ -68,3 +71,30 @@ def embeddings_without_padding_index(model: PreTrainedModel) -> Iterator[None]:
     finally:
         for module, index in zip(changed, indices, strict=True):
             module.padding_idx = index
+
+
+# Serving a split model (`serve --tp-size N`): rank 0 runs the server and the schedule; every
+# other rank runs the same device calls, in the same order, with the same inputs (the uniform
+# numbers of sampled rows included), sent before rank 0 runs each (a few hundred bytes, over a gloo
+# group of its own; `None` tells the others to stop), so that the ranks' collectives meet.
+# A server may wait for its next request for days: the followers wait for rank 0 that long (a rank
+# that exits is seen by torch's launcher, which stops the job).
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
+class StepBroadcast:
+    """The channel from rank 0's engine to the other ranks' engines. Every rank creates it, at the
+    same point (it creates a process group)."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+    def send(self, call: tuple[Any, ...] | None) -> None:
+        """On rank 0: the call the other ranks run next (None: stop)."""
+        dist.broadcast_object_list([call], src=0, group=self.group)
+
+    def receive(self) -> tuple[Any, ...] | None:
+        """On the other ranks: the next call rank 0 runs (None: stop)."""
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]

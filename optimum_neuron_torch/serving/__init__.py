@@ -1,2 +1,2 @@
-"""An OpenAI-compatible server on the compiled graphs: in-flight batching over decode slots
-(`engine`), the HTTP routes (`app`)."""
+"""An OpenAI-compatible server over the generation engine (`generation.engine`): the request and
+error bodies (`protocol`), the HTTP routes (`app`), uvicorn (`server`)."""

@@ -1,4 +1,4 @@
-"""The HTTP side of the server: FastAPI routes speaking the OpenAI API over a `ServingEngine`.
+"""The HTTP side of the server: FastAPI routes speaking the OpenAI API over a `GenerationEngine`.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (streamed as server-sent events
 ending with `data: [DONE]`, or whole), `GET /v1/models`, `GET /health` (503 until every graph is
@@ -30,23 +30,23 @@ from openai.types.chat.chat_completion_chunk import ChoiceDelta
 from starlette.exceptions import HTTPException
 
 from ..errors import InvalidRequestError, ServerBusyError
-from .engine import ServingEngine
+from ..generation.engine import GenerationEngine
+from ..generation.requests import Event, SamplingSettings
+from ..generation.requests import Request as EngineRequest
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body, parse
-from .requests import Event, SamplingSettings
-from .requests import Request as EngineRequest
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DISCONNECT_POLL_SECONDS = 0.5  # how often a request waiting for its tokens checks that its client is still there
 
 
-def build_app(engine: ServingEngine, model_name: str, *, api_key: str | None = None,
+def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The server's FastAPI application over `engine`, which the caller starts (`/health` answers 503
     until its graphs are ready); the application's shutdown stops it (letting the requests running
     finish).
 
     Args:
-        engine (`ServingEngine`): the engine.
+        engine (`GenerationEngine`): the engine.
         model_name (`str`): the name clients give as `model` (and `/v1/models` lists).
         api_key (`str`, *optional*): the key every route but `/health` wants.
         max_body_bytes (`int`): the largest request body taken.
@@ -55,7 +55,7 @@ def build_app(engine: ServingEngine, model_name: str, *, api_key: str | None = N
 
     ```python
     >>> import uvicorn
-    >>> engine = ServingEngine(model, tokenizer)
+    >>> engine = GenerationEngine(model, tokenizer)
     >>> engine.start()
     >>> uvicorn.run(build_app(engine, "my-model"), host="127.0.0.1", port=8000)
     ```
@@ -147,7 +147,7 @@ def _check_model(name: str, served: str) -> None:
                                   "(GET /v1/models)", "model")
 
 
-def _chat_prompt(engine: ServingEngine, body: ChatCompletionRequest) -> list[int]:
+def _chat_prompt(engine: GenerationEngine, body: ChatCompletionRequest) -> list[int]:
     tokenizer = engine.tokenizer
     if not tokenizer.chat_template:
         raise InvalidRequestError("this model's tokenizer has no chat template: use /v1/completions", "messages")
@@ -156,7 +156,7 @@ def _chat_prompt(engine: ServingEngine, body: ChatCompletionRequest) -> list[int
     return list(encoding["input_ids"])
 
 
-def _completion_prompt(engine: ServingEngine, body: CompletionRequest) -> list[int]:
+def _completion_prompt(engine: GenerationEngine, body: CompletionRequest) -> list[int]:
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
@@ -170,7 +170,7 @@ def _completion_prompt(engine: ServingEngine, body: CompletionRequest) -> list[i
     return list(prompt)
 
 
-def _sampling(engine: ServingEngine, body: ChatCompletionRequest | CompletionRequest) -> SamplingSettings:
+def _sampling(engine: GenerationEngine, body: ChatCompletionRequest | CompletionRequest) -> SamplingSettings:
     """The request's sampling; what it leaves out comes from the model's generation config (greedy
     if that does not sample; its repetition penalty applies either way, as in Transformers)."""
     config = engine.model.generation_config
@@ -191,7 +191,7 @@ def _sampling(engine: ServingEngine, body: ChatCompletionRequest | CompletionReq
         seed=body.seed)
 
 
-async def _respond(request: Request, engine: ServingEngine, body: ChatCompletionRequest | CompletionRequest,
+async def _respond(request: Request, engine: GenerationEngine, body: ChatCompletionRequest | CompletionRequest,
                    prompt: list[int], chat: bool) -> Any:
     """Submits the request to the engine and answers: streamed, or whole once it finishes."""
     loop = asyncio.get_running_loop()
@@ -223,7 +223,7 @@ async def _respond(request: Request, engine: ServingEngine, body: ChatCompletion
     return JSONResponse(response.model_dump(mode="json", exclude_unset=True))
 
 
-async def _events(request: Request, engine: ServingEngine, job: EngineRequest,
+async def _events(request: Request, engine: GenerationEngine, job: EngineRequest,
                   queue: asyncio.Queue[Event]) -> AsyncIterator[Event]:
     """The request's events until its last; if its client goes away (or the response is
     abandoned), the request is cancelled."""

@@ -1,5 +1,5 @@
 """Running the server: uvicorn serves the FastAPI application (`app`) on a thread, while the main
-thread runs the engine (`ServingEngine.run`: on the reference device its compiled CPU kernels run
+thread runs the engine (`GenerationEngine.run`: on the reference device its compiled CPU kernels run
 fastest there).
 
 On SIGTERM or Ctrl-C uvicorn stops taking connections and lets the requests running finish
@@ -14,20 +14,20 @@ import threading
 
 import uvicorn
 
+from ..generation.engine import GenerationEngine
 from .app import build_app
-from .engine import ServingEngine
 
 DEFAULT_HOST = "127.0.0.1"  # this machine only, unless asked otherwise
 DEFAULT_PORT = 8000
 
 
-def run_server(engine: ServingEngine, model_name: str, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+def run_server(engine: GenerationEngine, model_name: str, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                api_key: str | None = None, drain_seconds: int = 120, show_progress: bool = True) -> None:
     """Serves `engine` over HTTP until SIGTERM or Ctrl-C; call it from the main thread. The engine
     compiles its graphs while the HTTP side already answers (`/health`: 503 until they are ready).
 
     Args:
-        engine (`ServingEngine`): the engine, not started.
+        engine (`GenerationEngine`): the engine, not started.
         model_name (`str`): the name clients give as `model`.
         host (`str`): the address to bind; the default takes connections from this machine only.
         port (`int`): the TCP port.

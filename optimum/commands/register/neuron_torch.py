@@ -199,9 +199,9 @@ class ServeCommand(_LibraryCommand):
                             help="The address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for "
                                  "every interface).")
         parser.add_argument("--port", type=_positive, default=8000, help="The TCP port (default: 8000).")
-        parser.add_argument("--batch-size", type=_positive, default=8,
+        parser.add_argument("--batch-size", type=_positive,
                             help="Decode slots: the most requests generating at once; more wait in a queue "
-                                 "(default: 8).")
+                                 "(default: the model's largest batch bucket, 8 unless it was saved with others).")
         parser.add_argument("--max-length", type=_positive,
                             help="Positions per request, prompt plus new tokens (default: the model's context "
                                  "length, capped at 2048).")

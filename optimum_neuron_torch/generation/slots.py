@@ -25,16 +25,24 @@ writes at position 0, which the next prefill in that slot overwrites.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel, StaticCache
-from transformers.cache_utils import StaticLayer
+from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 from .. import errors
-from ..generation.sampling import SamplingParameters, penalize, sample
-from .requests import PENALTIES, TAKEN, WARPERS
+from ..compiler import regions
+from ..compiler.dynamo_backend import recording_cache_keys
+from .buckets import Buckets, engine_plan
+from .compiling import COMPILE_CONFIG, QUIET_WHILE_TRACED
+from .requests import NO_PENALTIES, PENALTIES, TAKEN, WARPERS
+from .sampling import penalize, sample
+from .tensor_parallel import StepBroadcast, embeddings_without_padding_index, whole_graphs_reason
 
 
 @dataclass
@@ -131,6 +139,11 @@ class SlotCache(StaticCache):
             raise errors.ConfigurationError(f"cannot serve model type {model.config.model_type!r}: {why}")
         self.writes = SlotWrites()
         self.tokens = TokenCounts(slots, model.config.get_text_config(decoder=True).vocab_size, model.device)
+        # Sliding-window layers become full ones, which the sliding mask `slot_step` gives them narrows
+        # (a sliding layer's own ring of positions would be a graph per step).
+        sliding = [type(layer) is StaticSlidingWindowLayer for layer in self.layers]
+        self.sliding_window: int | None = config.sliding_window if any(sliding) else None
+        self.mixed_layers = any(sliding) and not all(sliding)  # (then the model takes a mask per layer type)
         self.layers = [SlotLayer(max_length, self.writes) for _ in self.layers]
         num_heads, head_dim = model._get_static_cache_init_shape()
         for index, layer in enumerate(self.layers):
@@ -140,16 +153,20 @@ class SlotCache(StaticCache):
 
 def unsupported_by_slots(model: PreTrainedModel, cache: StaticCache) -> str | None:
     """Why a slot cache cannot serve `model`, or None. It needs a decoder whose forward takes
-    `position_ids` and a 4D attention mask as they are, and whose cache layers are all full
-    attention (a sliding window needs a mask of its own; state-space layers keep no positions)."""
+    `position_ids` and a 4D attention mask as they are (or, with sliding-window layers among full
+    ones, a mask per layer type), and whose cache layers are all attention layers, full or sliding
+    (state-space and linear-attention layers keep no positions)."""
     if model.config.is_encoder_decoder:
         return "encoder-decoder models are not served (a decoder-only causal language model is)"
     if "position_ids" not in inspect.signature(model.forward).parameters:
         return "its forward takes no position_ids, which each slot's own positions need"
-    kinds = {type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer}
-    if kinds:
-        return (f"its cache has {', '.join(sorted(kinds))} layers; serving holds full-attention layers only "
-                "(sliding windows, linear attention and state-space layers are not served yet)")
+    kinds = [type(layer) for layer in cache.layers]
+    others = {kind.__name__ for kind in kinds if kind not in (StaticLayer, StaticSlidingWindowLayer)}
+    if others:
+        return (f"its cache has {', '.join(sorted(others))} layers; the engine's slots hold attention layers only "
+                "(linear attention and state-space layers are not served yet)")
+    if len(set(kinds)) > 1 and not getattr(model.config.get_text_config(decoder=True), "layer_types", None):
+        return "its sliding-window and full layers are not named by `layer_types`, which a mask per layer type needs"
     return None
 
 
@@ -174,8 +191,15 @@ def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor,
     Returns:
         `torch.Tensor`: int64 `[rows]`.
     """
-    keys = torch.arange(cache.writes.context, device=positions.device)
-    mask = keys[None, None, None, :] <= positions[:, None, :, None]  # [rows, 1, tokens, context]
+    keys = torch.arange(cache.writes.context, device=positions.device)[None, None, None, :]
+    queries = positions[:, None, :, None]
+    mask = keys <= queries  # [rows, 1, tokens, context]
+    if cache.sliding_window is not None:  # (as Transformers' `sliding_window_overlay`)
+        sliding = _as_attention_takes(mask & (keys > queries - cache.sliding_window), model)
+        mask = _as_attention_takes(mask, model)
+        mask = {"full_attention": mask, "sliding_attention": sliding} if cache.mixed_layers else sliding
+    else:
+        mask = _as_attention_takes(mask, model)
     logits = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
                    logits_to_keep=last).logits[:, -1]
     if not sampled:
@@ -185,9 +209,84 @@ def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor,
     seen, counts = cache.tokens.read(rows, input_ids, positions, last, prefill)
     logits = penalize(logits, sampling[:, PENALTIES], seen, counts)
     greedy = sampling[:, 0] == 0
-    # (a greedy row samples without warpers, which keeps its arithmetic finite, and takes the argmax)
-    neutral = torch.tensor(SamplingParameters().row(), device=sampling.device)
-    parameters = torch.where(greedy[:, None], neutral, sampling[:, WARPERS])
+    # (a greedy row samples at temperature 1, which keeps its arithmetic finite, and takes the argmax)
+    warpers = sampling[:, WARPERS]
+    parameters = torch.cat([torch.where(greedy, 1.0, warpers[:, 0])[:, None], warpers[:, 1:]], dim=1)
     tokens = torch.where(greedy, logits.argmax(-1), sample(logits, parameters, uniform))
     cache.tokens.update(rows, seen, counts, tokens, sampling[:, TAKEN])
     return tokens
+
+
+def _as_attention_takes(mask: torch.Tensor, model: PreTrainedModel) -> torch.Tensor:
+    """A boolean mask (True: attended) as the model's attention takes it, as Transformers' masks
+    are made: boolean for SDPA, else (eager attention adds it to the scores) 0 where attended and the
+    dtype's lowest value elsewhere."""
+    if model.config._attn_implementation == "sdpa":
+        return mask
+    return torch.where(mask, 0.0, torch.finfo(model.dtype).min).to(model.dtype)
+
+
+class SlotSteps:
+    """The device side of the generation engine: its `SlotCache` of a slot per row of the largest
+    batch bucket, and its compiled `slot_step`, called with a step's host inputs (`forward`).
+
+    Args:
+        model (`PreTrainedModel`): the model.
+        buckets (`Buckets`): the engine's buckets.
+        broadcast (`StepBroadcast`, *optional*): for a model split between ranks, on rank 0: each
+            step's inputs go to the other ranks first, which run them (`run`).
+    """
+
+    def __init__(self, model: PreTrainedModel, buckets: Buckets, broadcast: StepBroadcast | None = None) -> None:
+        self._model = weakref.ref(model)  # (the model holds its engine: no cycle, it frees on `del`)
+        self.cache = SlotCache(model, buckets.batch_sizes[-1], buckets.max_length)
+        self.step = regions.compile_by_layer(slot_step, whole_because=whole_graphs_reason(model),
+                                             **COMPILE_CONFIG.to_dict())
+        self.broadcast = broadcast
+        self.graphs = len(engine_plan(buckets))
+        self.cache_keys: set[str] = set()  # the compile-cache entries of the graphs run (saved with the model)
+
+    @property
+    def model(self) -> PreTrainedModel:
+        return self._model()
+
+    @contextlib.contextmanager
+    def compiling(self) -> Iterator[None]:
+        """Around the steps: no autograd (grad mode is per thread), Dynamo may keep a graph per
+        bucket and traces logging calls as nothing (a model's `logger.warning_once` in its forward
+        would break the graph), the compile-cache entries of the graphs run are recorded, and a
+        split embedding has no padding index (see `embeddings_without_padding_index`)."""
+        try:
+            with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=self.graphs + 8,
+                                                             accumulated_recompile_limit=max(256, 2 * self.graphs),
+                                                             ignore_logging_functions=QUIET_WHILE_TRACED), \
+                    recording_cache_keys() as keys, embeddings_without_padding_index(self.model):
+                yield
+        finally:
+            self.cache_keys |= keys
+
+    def forward(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
+                uniform: list[float], sampling: list[list[float]], slot: int | None = None) -> torch.Tensor:
+        """One step (a prefill piece into `slot`, or a decode step of the first slots, see `slot_step`),
+        sent to the other ranks first if split; the chosen tokens, on the host."""
+        if self.broadcast is not None:
+            self.broadcast.send((ids, positions, last, context, uniform, sampling, slot))
+        return self.run(ids, positions, last, context, uniform, sampling, slot)
+
+    def run(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
+            uniform: list[float], sampling: list[list[float]], slot: int | None) -> torch.Tensor:
+        """One step on this rank. A prefill always runs the graph that can sample (one row: it costs
+        little); a decode step, only if a row samples or has penalties."""
+        device = self.model.device
+        positions_tensor = torch.tensor(positions, device=device)
+        writes = self.cache.writes
+        writes.positions = positions_tensor
+        writes.slot = None if slot is None else torch.tensor([slot], device=device)
+        writes.context = context
+        sampled = slot is not None or any(row[0] > 0 or row[PENALTIES] != NO_PENALTIES for row in sampling)
+        try:
+            return self.step(self.model, self.cache, torch.tensor(ids, device=device), positions_tensor,
+                             torch.tensor([last], device=device), torch.tensor(sampling, device=device),
+                             torch.tensor(uniform, dtype=torch.float32, device=device), sampled).cpu()
+        finally:  # (between steps the device holds the cache only)
+            writes.positions = writes.slot = None

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generation.sampling import SamplingParameters
+from ..errors import InvalidRequestError
+from .sampling import SamplingParameters
 from .text import TextStream
 
 # The columns of a row of the step's sampling tensor (`SamplingSettings.row`): the warpers'
@@ -73,8 +74,10 @@ class Request:
             after the prompt; `submit` sets it).
         sampling (`SamplingSettings`): greedy or sampled.
         stop (`list[str]`): stop strings (the text ends before the first one met).
-        on_event (`Callable[[Event], None]`): called, on the engine's thread, with each step's
-            `Event`; the last one has a `finish_reason`.
+        on_event (`Callable[[Event], None]`): called, on the thread running the device, with each
+            step's `Event`; the last one has a `finish_reason`.
+        eos_token_ids (`set[int]`, *optional*): the tokens that end it (default: the model's
+            generation config's).
     """
 
     prompt: list[int]
@@ -82,13 +85,41 @@ class Request:
     sampling: SamplingSettings
     stop: list[str]
     on_event: Callable[[Event], None]
-    cancelled: bool = False
+    eos_token_ids: set[int] | None = None
+    cancelled: bool = False  # ended: done, failed, or its caller gone
     tokens: list[int] = field(default_factory=list)  # generated so far
+    error: BaseException | None = field(default=None, repr=False)  # what failed it, if anything did
     # The engine's, once the request has a slot: its text so far, its random numbers, its slot.
     _text: TextStream | None = field(default=None, init=False, repr=False)
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
     _slot: int | None = field(default=None, init=False, repr=False)
     _prefilled: int = field(default=0, init=False, repr=False)  # prompt tokens in the cache so far
+
+    def check(self, max_length: int, prompt_field: str = "prompt") -> None:
+        """Checks the prompt and `max_tokens` against a cache of `max_length` positions per slot, and
+        sets `max_tokens` if None (to the room the cache leaves after the prompt).
+
+        Raises:
+            InvalidRequestError: an empty prompt, a prompt with no room for an answer, or `max_tokens`
+                beyond what the cache holds after the prompt (names the field).
+        """
+        prompt = self.prompt
+        if not prompt:
+            raise InvalidRequestError("the prompt has no tokens", prompt_field)
+        if len(prompt) > max_length - 1:
+            raise InvalidRequestError(f"the prompt has {len(prompt)} tokens, above the {max_length - 1} this "
+                                      f"server takes (its {max_length} positions, --max-length, less one "
+                                      "for the answer); shorten it, or start the server with a larger --max-length",
+                                      prompt_field)
+        room = max_length - len(prompt)
+        if self.max_tokens is None:
+            self.max_tokens = room
+        elif self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        elif self.max_tokens > room:
+            raise InvalidRequestError(f"max_tokens is {self.max_tokens}, but the prompt's {len(prompt)} tokens leave "
+                                      f"room for {room} in this server's {max_length} positions (--max-length)",
+                                      "max_tokens")
 
     @property
     def prefilling(self) -> bool:

@@ -1,7 +1,9 @@
-"""In-flight batching on compiled graphs of fixed shapes: the scheduler of the server.
+"""In-flight batching on compiled graphs of fixed shapes: the engine behind `generate()` and the
+server.
 
-One thread runs the device (`run`: the server's main thread). It holds `batch_size` decode slots
-over one `SlotCache`. Each turn of its loop:
+One thread at a time runs the device: the server's main thread (`run`), or a thread whose
+`generate()` waits for its requests (`complete`). The engine holds a decode slot per row of its
+largest batch bucket, over one `SlotCache`. Each turn of its loop:
 
 1. requests waiting get free slots (the lowest first);
 2. prompts are prefilled, one piece at a time, oldest request first, up to `prefill_budget` prompt
@@ -16,59 +18,57 @@ over one `SlotCache`. Each turn of its loop:
 4. each request takes its token; one that is done (end-of-sequence token, stop string,
    `max_tokens`, or its client gone) leaves, and its slot is free for the next turn.
 
-So the graphs are one prefill per prompt bucket, a chunk per context bucket a long prompt's chunks
-reach, and two decode steps (greedy, and sampling) per (batch bucket, context bucket), all compiled
-(or loaded from the compile cache) by `warm_up()` before the first request: no mix of requests
-compiles anything. Every row of a step is computed as if alone (its own positions, mask and random
-numbers), so a request's tokens do not depend on the others.
+So the graphs are those of `buckets.engine_plan`: one prefill per prompt bucket, a chunk per context
+bucket a long prompt's chunks reach, and two decode steps (greedy, and sampling) per (batch bucket,
+context bucket). The server compiles (or loads from the compile cache) all of them before its first
+request (`warm_up()`), so no mix of requests compiles anything; `generate()` compiles each the first
+time it meets it, unless `precompile()` did. Every row of a step is computed as if alone (its own
+positions, mask and random numbers), so a request's tokens do not depend on the others.
 
-Requests come from any thread (the HTTP server's event loop) through `submit()`; what each one
-produces goes to the `on_event` callback it carries, called on the engine's thread.
+Requests come from any thread: the HTTP server's event loop through `submit()`, `generate()` calls
+through `complete()`, which share the steps. What each one produces goes to the `on_event` callback
+it carries, called on the thread running the device.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import logging
 import threading
 import traceback
+import weakref
 from collections.abc import Iterator
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..compiler import regions
-from ..errors import DEVICE_OR_JOB_FAILURES, InvalidRequestError, ServerBusyError
-from ..generation.buckets import Buckets
-from ..generation.compiled_generation import COMPILE_CONFIG
-from ..generation.padding import pad_token_id
-from ..generation.tensor_parallel import embeddings_without_padding_index, whole_graphs_reason
-from .requests import NO_PENALTIES, PENALTIES, Event, Request, SamplingSettings
-from .slots import SlotCache, slot_step
+from ..errors import DEVICE_OR_JOB_FAILURES, ServerBusyError
+from .buckets import Buckets, engine_plan
+from .padding import pad_token_id
+from .requests import Event, Request, SamplingSettings
+from .slots import SlotCache, SlotSteps
 from .tensor_parallel import StepBroadcast
 from .text import TextStream
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BATCH_SIZE = 8
 DEFAULT_QUEUE_SIZE_PER_SLOT = 4  # requests that may wait, per decode slot, before the server answers 429
 
 
-class ServingEngine:
-    """Serves generation requests of one causal language model on its compiled graphs.
+class GenerationEngine:
+    """Runs generation requests of one causal language model on its compiled graphs.
 
     Args:
         model (`PreTrainedModel`): a decoder-only model on the device (from `NeuronAutoModelForCausalLM`).
-        tokenizer (`PreTrainedTokenizerBase`): its tokenizer (turns the tokens into text).
-        batch_size (`int`): decode slots: the most requests generating at once.
-        max_length (`int`, *optional*): positions of each slot (prompt plus new tokens); default:
-            the model's context length, capped at 2048.
-        prompt_buckets (`tuple[int, ...]`, *optional*): prompt lengths of the prefill graphs; a
-            prompt is padded to the smallest that holds it, or prefilled in chunks of the largest.
-            Default: 16, 64, 256, ... (x4) up to half of `max_length`.
+        buckets (`Buckets`): the shapes of the graphs: a decode slot per row of the largest batch
+            bucket, each of `max_length` positions (prompt plus new tokens); a prompt is padded to the
+            smallest prompt bucket that holds it, or prefilled in chunks of the largest; a decode step
+            attends over the smallest context bucket that holds its longest row. A server's:
+            `Buckets.for_slots`.
+        tokenizer (`PreTrainedTokenizerBase`, *optional*): turns the tokens into the text of the
+            events and finds stop strings; without it, events carry no text.
         prefill_budget (`int`, *optional*): the most prompt tokens prefilled in one turn of the loop,
             between two decode steps (a piece larger than it still runs, alone): the most a new
             request delays the others' next token. Default: the largest prompt bucket.
@@ -80,41 +80,50 @@ class ServingEngine:
     Example:
 
     ```python
-    >>> engine = ServingEngine(model, tokenizer, batch_size=8)
+    >>> engine = GenerationEngine(model, Buckets.for_slots(model.config, 8), tokenizer)
     >>> engine.start()  # compiles (or loads) every graph, on a thread of its own
     >>> engine.wait_ready()
     >>> engine.submit(Request(tokenizer("Hello").input_ids, 16, SamplingSettings(), [], print))
     ```
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
-                 batch_size: int = DEFAULT_BATCH_SIZE, max_length: int | None = None,
-                 prompt_buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
-                 queue_size: int | None = None, broadcast: StepBroadcast | None = None) -> None:
-        default = Buckets.default(model.config, max_length)
-        powers_of_two = tuple(2**power for power in range(batch_size.bit_length()) if 2**power < batch_size)
-        self.buckets = dataclasses.replace(default, batch_sizes=(*powers_of_two, batch_size),
-                                           prompt_buckets=prompt_buckets or default.prompt_buckets)
-        self.model, self.tokenizer = model, tokenizer
-        self.cache = SlotCache(model, batch_size, self.buckets.max_length)
-        self.queue_size = queue_size if queue_size is not None else DEFAULT_QUEUE_SIZE_PER_SLOT * batch_size
+    def __init__(self, model: PreTrainedModel, buckets: Buckets, tokenizer: PreTrainedTokenizerBase | None = None,
+                 *, prefill_budget: int | None = None, queue_size: int | None = None,
+                 broadcast: StepBroadcast | None = None) -> None:
+        self.buckets = buckets
+        self._model = weakref.ref(model)  # (the model holds its engine: no cycle, it frees on `del`)
+        self.tokenizer = tokenizer
+        slots = buckets.batch_sizes[-1]
+        self.device = SlotSteps(model, buckets, broadcast)  # (the slots' cache and the compiled step)
+        self.queue_size = queue_size if queue_size is not None else DEFAULT_QUEUE_SIZE_PER_SLOT * slots
         self.prefill_budget = prefill_budget or self.chunk
         eos = model.generation_config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.pad_token_id = pad_token_id(model.generation_config, model.get_input_embeddings().num_embeddings)
-        self._step = regions.compile_by_layer(slot_step, whole_because=whole_graphs_reason(model),
-                                              **COMPILE_CONFIG.to_dict())
-        self._broadcast = broadcast
-        self._slots: list[Request | None] = [None] * batch_size
+        self._slots: list[Request | None] = [None] * slots
         self._waiting: collections.deque[Request] = collections.deque()
         self._prefilling: collections.deque[Request] = collections.deque()  # in slots, oldest first
         self._condition = threading.Condition()
         self._running = False  # `run` is serving (on some thread)
+        self._driver: threading.Thread | None = None  # the thread of a `complete()` running the turns
         self._finished = threading.Event()  # `run` returned
         self._stopping = False
         self.ready = threading.Event()  # set once every graph is compiled
         self.failure: BaseException | None = None  # what stopped the engine's thread, if anything did
         self.steps = 0  # decode steps run (tests count them)
+
+    @property
+    def model(self) -> PreTrainedModel:
+        return self._model()
+
+    @property
+    def cache(self) -> SlotCache:
+        return self.device.cache
+
+    @property
+    def cache_keys(self) -> set[str]:
+        """The compile-cache entries of the graphs run (saved with the model)."""
+        return self.device.cache_keys
 
     @property
     def batch_size(self) -> int:
@@ -124,20 +133,6 @@ class ServingEngine:
     def chunk(self) -> int:
         """The length of each piece of a prompt longer than every prompt bucket (the largest bucket)."""
         return self.buckets.prompt_buckets[-1]
-
-    @property
-    def max_prompt_length(self) -> int:
-        """The longest prompt: one position is left for the token it answers."""
-        return self.buckets.max_length - 1
-
-    @property
-    def chunk_contexts(self) -> tuple[int, ...]:
-        """The context buckets the chunks after a long prompt's first attend over (a graph each): a
-        chunk ends at a multiple of `chunk` after the first, or at `max_length`."""
-        if self.max_prompt_length <= self.chunk:
-            return ()
-        first = self.buckets.context_bucket_for(min(2 * self.chunk, self.buckets.max_length))
-        return tuple(context for context in self.buckets.context_buckets if context >= first)
 
     @property
     def busy_slots(self) -> int:
@@ -156,32 +151,6 @@ class ServingEngine:
         return self._running
 
     # Requests ----------------------------------------------------------------------------------
-    def _check(self, prompt: list[int], max_tokens: int | None, prompt_field: str) -> int:
-        """Checks a prompt and its `max_tokens` against the cache; returns `max_tokens` (default: the
-        room the cache leaves after the prompt).
-
-        Raises:
-            InvalidRequestError: an empty prompt, a prompt above the largest prompt bucket, or
-                `max_tokens` beyond what the cache holds after the prompt (names the field).
-        """
-        if not prompt:
-            raise InvalidRequestError("the prompt has no tokens", prompt_field)
-        if len(prompt) > self.max_prompt_length:
-            raise InvalidRequestError(f"the prompt has {len(prompt)} tokens, above the {self.max_prompt_length} this "
-                                      f"server takes (its {self.buckets.max_length} positions, --max-length, less one "
-                                      "for the answer); shorten it, or start the server with a larger --max-length",
-                                      prompt_field)
-        room = self.buckets.max_length - len(prompt)
-        if max_tokens is None:
-            return room
-        if max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
-        if max_tokens > room:
-            raise InvalidRequestError(f"max_tokens is {max_tokens}, but the prompt's {len(prompt)} tokens leave "
-                                      f"room for {room} in this server's {self.buckets.max_length} positions "
-                                      "(--max-length)", "max_tokens")
-        return max_tokens
-
     def submit(self, request: Request, prompt_field: str = "prompt") -> None:
         """Queues `request`; its events start once it has a slot.
 
@@ -195,7 +164,7 @@ class ServingEngine:
             ServerBusyError: the queue is full, or the engine is not serving (starting, stopping,
                 or failed).
         """
-        request.max_tokens = self._check(request.prompt, request.max_tokens, prompt_field)
+        request.check(self.buckets.max_length, prompt_field)
         with self._condition:
             if self._stopping or not self.ready.is_set() or not self.alive:
                 raise ServerBusyError("the server is not taking requests now (starting, stopping or failed)")
@@ -213,6 +182,65 @@ class ServingEngine:
             if request in self._waiting:
                 self._waiting.remove(request)
             self._condition.notify()
+
+    def complete(self, requests: list[Request]) -> None:
+        """Runs `requests` to their end, from the calling thread (`generate()`): their events come
+        before it returns. Threads may call it at once: their requests share the decode steps, run by
+        one of them at a time (the others wait for theirs), or by the server's thread if it runs.
+
+        Args:
+            requests (`list[Request]`): the requests; they may outnumber the slots (they wait).
+
+        Raises:
+            InvalidRequestError: as `submit` (no request runs).
+            Exception: what a device call raised, the device's or the job's failure (the requests
+                running then end with an error event); other failures end their requests only.
+        """
+        for request in requests:
+            request.check(self.buckets.max_length, "input_ids")
+        with self._condition:
+            self._waiting.extend(requests)
+            self._condition.notify_all()
+        try:
+            while not self._drive_until(requests):
+                pass
+        except BaseException:  # (interrupted, or the device failed: nothing of this call stays)
+            for request in requests:
+                self.cancel(request)
+            raise
+
+    def _drive_until(self, requests: list[Request]) -> bool:
+        """Runs turns until `requests` are done, if no other thread runs them; else waits for a
+        change (a turn ended, a driver left). Whether they are done."""
+        with self._condition:
+            if all(request.cancelled for request in requests):
+                return True
+            if self._running or self._driver is not None:
+                self._condition.wait(1.0)
+                return False
+        try:
+            with self._driving():
+                while not all(request.cancelled for request in requests):
+                    self._turn(wait=False)
+        except DEVICE_OR_JOB_FAILURES as error:
+            self._fail_all(error)
+            raise
+        return True
+
+    @contextlib.contextmanager
+    def _driving(self) -> Iterator[None]:
+        """Makes the calling thread the one running the device, once no other thread does."""
+        with self._condition:
+            while self._driver is not None:
+                self._condition.wait()
+            self._driver = threading.current_thread()
+        try:
+            with self.device.compiling():
+                yield
+        finally:
+            with self._condition:
+                self._driver = None
+                self._condition.notify_all()
 
     # The engine's thread -----------------------------------------------------------------------
     def start(self, show_progress: bool = True) -> None:
@@ -239,7 +267,7 @@ class ServingEngine:
         at most) for `run` to return."""
         with self._condition:
             self._stopping = True
-            self._condition.notify()
+            self._condition.notify_all()
         if self._running:
             self._finished.wait(timeout)
 
@@ -253,7 +281,7 @@ class ServingEngine:
         self._running = True
         self._finished.clear()
         try:
-            with self._compiling():
+            with self.device.compiling():
                 self.warm_up(show_progress)
                 self.ready.set()
                 while self._turn():
@@ -261,63 +289,47 @@ class ServingEngine:
         except BaseException as error:
             self.failure = error
             logger.exception("the serving engine failed")
-            self._fail_all()
+            self._fail_all(error)
         finally:
             self._running = False
             self._finished.set()
-            if self._broadcast is not None:
-                self._broadcast.send(None)
+            if self.device.broadcast is not None:
+                self.device.broadcast.send(None)
 
     def follow(self) -> None:
         """On a rank other than 0 of a split model: runs the device calls rank 0's engine sends, until
         it stops."""
-        with self._compiling():
-            while (call := self._broadcast.receive()) is not None:
+        with self.device.compiling():
+            while (call := self.device.broadcast.receive()) is not None:
                 try:
-                    self._run_step(*call)
+                    self.device.run(*call)
                 except DEVICE_OR_JOB_FAILURES:
                     raise
                 except Exception:  # (rank 0 met it too: the step's requests fail, the engine goes on)
                     logger.exception("a step failed on this rank; the next one runs")
 
-    @contextlib.contextmanager
-    def _compiling(self) -> Iterator[None]:
-        """Around the engine's device calls: no autograd (grad mode is per thread), Dynamo may keep a
-        graph per bucket, and a split embedding has no padding index (see
-        `embeddings_without_padding_index`)."""
-        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=self.graph_count + 8), \
-                embeddings_without_padding_index(self.model):
-            yield
+    def warm_up(self, show_progress: bool = True, sampling: bool = True) -> None:
+        """Runs every graph of `buckets.engine_plan(sampling=sampling)` once, on a free slot and dummy
+        tokens: each is compiled, or loaded from the compile cache, before the first request."""
+        sampled = SamplingSettings(temperature=1.0).row(taken=False)
+        with contextlib.nullcontext() if self._running else self._driving():  # (the server's thread drives)
+            for graph in tqdm(engine_plan(self.buckets, sampling=sampling), desc="Compiling neuron graphs",
+                              disable=not show_progress):
+                context = graph.context
+                if graph.role in ("prefill", "chunk"):
+                    self.device.forward([[self.pad_token_id] * graph.tokens],
+                                        [list(range(context - graph.tokens, context))], 0, context, [0.5], [sampled],
+                                        slot=0)
+                else:
+                    row = sampled if graph.role == "sampling decode" else SamplingSettings().row(taken=False)
+                    self.device.forward([[self.pad_token_id]] * graph.batch, [[context - 1]] * graph.batch, 0,
+                                        context, [0.5] * graph.batch, [row] * graph.batch)
 
-    @property
-    def graph_count(self) -> int:
-        """The graphs the engine runs: a prefill per prompt bucket, a chunk per `chunk_contexts`, two
-        decode steps (greedy, sampled) per batch and context bucket."""
-        return (len(self.buckets.prompt_buckets) + len(self.chunk_contexts)
-                + 2 * len(self.buckets.batch_sizes) * len(self.buckets.context_buckets))
-
-    def warm_up(self, show_progress: bool = True) -> None:
-        """Runs every graph once, on a free slot and dummy tokens: each is compiled, or loaded from
-        the compile cache, before the first request."""
-        runs = [("prefill", length, length) for length in self.buckets.prompt_buckets]
-        runs += [("prefill", self.chunk, context) for context in self.chunk_contexts]
-        runs += [("decode", batch, context, sampled) for batch in self.buckets.batch_sizes
-                 for context in self.buckets.context_buckets for sampled in (False, True)]
-        sampling = SamplingSettings(temperature=1.0).row(taken=False)
-        for run in tqdm(runs, desc="Compiling neuron graphs for serving", disable=not show_progress):
-            if run[0] == "prefill":
-                _, length, context = run
-                self._forward([[self.pad_token_id] * length], [list(range(context - length, context))], 0, context,
-                              [0.5], [sampling], slot=0)
-            else:
-                _, batch, context, sampled = run
-                self._forward([[self.pad_token_id]] * batch, [[context - 1]] * batch, 0, context, [0.5] * batch,
-                              [sampling if sampled else SamplingSettings().row(taken=False)] * batch)
-
-    def _turn(self) -> bool:
-        """One turn of the loop (see the module's docstring); False when stopped and drained."""
+    def _turn(self, wait: bool = True) -> bool:
+        """One turn of the loop (see the module's docstring), after waiting for work if `wait`; False
+        when stopped and drained."""
         with self._condition:
-            while not self._stopping and not self._waiting and not any(self._slots):
+            while wait and not self._stopping and not self._waiting and not any(self._slots):
                 self._condition.wait()
             if self._stopping and not self._waiting and not any(self._slots):
                 return False
@@ -346,6 +358,7 @@ class ServingEngine:
                      "".join(traceback.format_exception(error)).rstrip())
         for request in requests:
             if not request.cancelled:
+                request.error = error
                 self._emit(request, Event("", len(request.tokens), "error",
                                           f"{type(error).__name__} while {during}: {error}"))
             request.cancelled = True
@@ -388,14 +401,14 @@ class ServingEngine:
     def _run_piece(self, request: Request, start: int, length: int, context: int) -> None:
         """Writes one piece of `request`'s prompt into its slot; the last piece gives its first token."""
         if request._prefilled == 0:
-            request._text = TextStream(self.tokenizer, request.stop)
+            request._text = TextStream(self.tokenizer, request.stop) if self.tokenizer is not None else None
             seed = request.sampling.seed
             request._generator = torch.Generator().manual_seed(
                 seed if seed is not None else int(torch.randint(2**62, ())))
         end = min(start + length, len(request.prompt))
         ids = request.prompt[start:end] + [self.pad_token_id] * (start + length - end)
         final = end == len(request.prompt)  # (only its token is taken: only it draws a random number)
-        token = self._forward([ids], [list(range(start, start + length))], end - 1 - start, context,
+        token = self.device.forward([ids], [list(range(start, start + length))], end - 1 - start, context,
                               [self._uniform(request) if final else 0.0], [request.sampling.row(taken=final)],
                               slot=request._slot)
         request._prefilled = end
@@ -414,7 +427,7 @@ class ServingEngine:
         context = self.buckets.context_bucket_for(max(request.position + 1 for request in rows if request))
         # (a row without a decoding request writes where its slot's next prefill piece writes anyway)
         idle = [request._prefilled if request is not None else 0 for request in self._slots[:len(rows)]]
-        tokens = self._forward(
+        tokens = self.device.forward(
             [[request.tokens[-1] if request else self.pad_token_id] for request in rows],
             [[request.position if request else position] for request, position in zip(rows, idle, strict=True)],
             0, context, [self._uniform(request) if request else 0.0 for request in rows],
@@ -423,29 +436,6 @@ class ServingEngine:
         for request, token in zip(rows, tokens.tolist(), strict=True):
             if request is not None and not request.cancelled:
                 self._take(request, token)
-
-    def _forward(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
-                 uniform: list[float], sampling: list[list[float]], slot: int | None = None) -> torch.Tensor:
-        """One call of the compiled step (a prefill into `slot`, or a decode step); the chosen tokens,
-        on the host. A prefill always runs the graph that can sample (one row: it costs little)."""
-        if self._broadcast is not None:
-            self._broadcast.send((ids, positions, last, context, uniform, sampling, slot))
-        return self._run_step(ids, positions, last, context, uniform, sampling, slot)
-
-    def _run_step(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
-                  uniform: list[float], sampling: list[list[float]], slot: int | None) -> torch.Tensor:
-        device = self.model.device
-        positions_tensor = torch.tensor(positions, device=device)
-        self.cache.writes.positions = positions_tensor
-        self.cache.writes.slot = None if slot is None else torch.tensor([slot], device=device)
-        self.cache.writes.context = context
-        sampled = slot is not None or any(row[0] > 0 or row[PENALTIES] != NO_PENALTIES for row in sampling)
-        try:
-            return self._step(self.model, self.cache, torch.tensor(ids, device=device), positions_tensor,
-                              torch.tensor([last], device=device), torch.tensor(sampling, device=device),
-                              torch.tensor(uniform, dtype=torch.float32, device=device), sampled).cpu()
-        finally:  # (between steps the device holds the cache only)
-            self.cache.writes.positions = self.cache.writes.slot = None
 
     @staticmethod
     def _uniform(request: Request) -> float:
@@ -459,13 +449,14 @@ class ServingEngine:
         if request.cancelled:
             return
         request.tokens.append(token)
-        text = request._text.add(token)
+        text = request._text.add(token) if request._text is not None else ""
         finish = None
-        if request._text.stopped or token in self.eos_token_ids:
+        eos = self.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
+        if (request._text is not None and request._text.stopped) or token in eos:
             finish = "stop"
         elif len(request.tokens) >= request.max_tokens:
             finish = "length"
-        if finish is not None:
+        if finish is not None and request._text is not None:
             text += request._text.finish()
         self._emit(request, Event(text, len(request.tokens), finish))
         if finish is not None:
@@ -483,9 +474,10 @@ class ServingEngine:
             for slot, request in enumerate(self._slots):
                 if request is not None and request.cancelled:
                     self._slots[slot] = None
+            self._condition.notify_all()  # (`complete()` callers wait for their requests)
 
-    def _fail_all(self) -> None:
-        """After the engine's thread failed: every request still there ends (with an error event)."""
+    def _fail_all(self, error: BaseException) -> None:
+        """After a device call failed with `error`: every request still there ends (with an error event)."""
         with self._condition:
             requests = [request for request in self._slots if request] + list(self._waiting)
             self._slots = [None] * len(self._slots)
@@ -493,4 +485,6 @@ class ServingEngine:
             self._prefilling.clear()
         for request in requests:
             if not request.cancelled:
-                self._emit(request, Event("", len(request.tokens), "error", f"the engine stopped: {self.failure!r}"))
+                request.error = error
+                self._emit(request, Event("", len(request.tokens), "error", f"the engine stopped: {error!r}"))
+            request.cancelled = True

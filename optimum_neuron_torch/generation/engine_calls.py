@@ -1,0 +1,200 @@
+"""`generate()` on the generation engine: a call's rows become requests, its output Transformers'.
+
+What a call keeps of Transformers' `generate()`:
+
+- each row of `input_ids`, its left padding taken off (as its attention mask says), repeated
+  `num_return_sequences` times, is one request: a prompt alone, whose tokens do not depend on the
+  other rows, nor on other threads' calls running at the same time;
+- the logits processors Transformers builds for the call are applied by the engine's step, on the
+  device: the temperature, top-k, top-p and min-p warpers and the repetition penalty; a call with
+  any other processor runs on the compiled path of `compiled_generation` instead (`plan` says why);
+- the new-token budget and the end-of-sequence tokens stop a row in the engine; the other stopping
+  criteria (stop strings, `max_time`, the caller's) run on the host after each token of the row,
+  given the row's sequence so far (`[1, length]`) and no scores (the logits stay on the device);
+- a streamer gets the prompt, then each token as it comes (one row, as Transformers' streamers take);
+- the output is the input ids as given, then each row's new tokens, padded with the pad token to
+  the longest, as Transformers returns them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation import (
+    EosTokenCriteria,
+    GenerationMode,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteriaList,
+)
+
+from .buckets import Buckets
+from .engine import GenerationEngine
+from .padding import default_attention_mask
+from .requests import Event, Request, SamplingSettings
+from .sampling import SamplingParameters
+
+# The arguments of generate() besides the generation config's fields that a call on the engine takes.
+ENGINE_KWARGS = {"attention_mask", "streamer", "tokenizer", "stopping_criteria", "logits_processor", "use_cache"}
+
+
+@dataclass
+class EngineCall:
+    """One generate() call, as requests of the engine.
+
+    Args:
+        input_ids (`torch.Tensor`): the rows as given (on the host), repeated `num_return_sequences` times.
+        prompts (`list[list[int]]`): each row without its padding.
+        max_new_tokens (`int`): the most tokens each row generates.
+        sampling (`list[SamplingSettings]`): how each row chooses its tokens (its seed drawn from
+            torch's default generator, so `torch.manual_seed` makes the call reproducible).
+        eos_token_ids (`set[int]`): the tokens that end a row.
+        pad_token_id (`int`): what fills a row that ended before the longest.
+        criteria (`StoppingCriteriaList`): the stopping criteria that run on the host.
+        streamer (`Any`): Transformers' streamer, or None.
+    """
+
+    input_ids: torch.Tensor
+    prompts: list[list[int]]
+    max_new_tokens: int
+    sampling: list[SamplingSettings]
+    eos_token_ids: set[int]
+    pad_token_id: int
+    criteria: StoppingCriteriaList
+    streamer: Any = None
+    failures: list[BaseException] = field(default_factory=list, repr=False)
+
+    def run(self, engine: GenerationEngine) -> torch.Tensor:
+        """Runs the call's requests on `engine` until each ends; the sequences, as Transformers'
+        generate() returns them (on the host).
+
+        Raises:
+            Exception: what failed a request (in the engine, a stopping criterion or the streamer).
+        """
+        if self.streamer is not None:
+            self.streamer.put(self.input_ids)
+        requests = [Request(prompt, self.max_new_tokens, sampling, [], lambda event: None,
+                            eos_token_ids=self.eos_token_ids)
+                    for prompt, sampling in zip(self.prompts, self.sampling, strict=True)]
+        lock = threading.Lock()  # (events come from the thread running the engine, one at a time)
+        for row, request in enumerate(requests):
+            request.on_event = lambda event, row=row, request=request: self._on_event(row, request, event, lock)
+        engine.complete(requests)
+        failure = next((request.error for request in requests if request.error is not None), None)
+        if self.failures or failure is not None:
+            raise self.failures[0] if self.failures else failure
+        if self.streamer is not None:
+            self.streamer.end()
+        width = max(len(request.tokens) for request in requests)
+        new = torch.full((len(requests), width), self.pad_token_id, dtype=self.input_ids.dtype)
+        for row, request in enumerate(requests):
+            new[row, : len(request.tokens)] = torch.tensor(request.tokens, dtype=self.input_ids.dtype)
+        return torch.cat([self.input_ids, new], dim=1)
+
+    def _on_event(self, row: int, request: Request, event: Event, lock: threading.Lock) -> None:
+        """After each token of `row`: the streamer gets it, and the host's criteria may end the row."""
+        if event.finish_reason == "error":
+            return
+        try:
+            with lock:
+                token = torch.tensor([request.tokens[-1]])
+                if self.streamer is not None:
+                    self.streamer.put(token)
+                if event.finish_reason is None and len(self.criteria):
+                    sequence = torch.cat([self.input_ids[row], torch.tensor(request.tokens)])[None]
+                    if bool(self.criteria(sequence, None).any()):
+                        request.cancelled = True  # (done: it leaves its slot)
+        except BaseException as error:
+            self.failures.append(error)
+            raise
+
+
+def plan(model: PreTrainedModel, buckets: Buckets, input_ids: torch.Tensor | None,
+         generation_config: GenerationConfig | None, kwargs: dict[str, Any]) -> EngineCall | str:
+    """The call `model.generate(input_ids, generation_config, **kwargs)` as requests of an engine of
+    `buckets`, or why it cannot run there.
+
+    Raises:
+        IndexError: a token id of `input_ids` outside the vocabulary.
+        ValueError: as Transformers raises it for the same call (stop strings without a tokenizer).
+    """
+    if input_ids is None or not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+        return "generation without a 2D tensor of input ids"
+    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    others = sorted(name for name, value in model_kwargs.items() if name not in ENGINE_KWARGS and value is not None)
+    if others:
+        return f"the arguments {', '.join(others)}"
+    mode = config.get_generation_mode()
+    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
+        return f"{mode.value.replace('_', ' ')}"
+    if config.return_dict_in_generate or config.output_attentions or config.output_hidden_states:
+        return "return_dict_in_generate / output_attentions / output_hidden_states"
+    if config.cache_implementation not in (None, "static") or model_kwargs.get("use_cache") is False:
+        return f"cache_implementation={config.cache_implementation!r} / use_cache=False"
+    repeats = config.num_return_sequences or 1
+    if repeats > 1 and not config.do_sample:
+        return "num_return_sequences > 1 without sampling"
+    mask = model_kwargs.get("attention_mask")
+    if mask is None:
+        mask = default_attention_mask(input_ids, config)
+    mask = mask.cpu()
+    if mask.shape != input_ids.shape or bool((mask[:, 1:] < mask[:, :-1]).any()) or bool((mask[:, -1] == 0).any()):
+        return "an attention mask other than left padding"
+    input_ids = input_ids.cpu().repeat_interleave(repeats, dim=0)
+    mask = mask.repeat_interleave(repeats, dim=0)
+    vocab = model.get_input_embeddings().num_embeddings
+    outside = input_ids[mask.bool() & ((input_ids < 0) | (input_ids >= vocab))]
+    if outside.numel():
+        raise IndexError(f"input_ids holds the token id {int(outside[0])}, outside the model's vocabulary of {vocab} "
+                         "(its input embedding's rows): check the tokenizer matches the model")
+    prompts = [row[row_mask.bool()].tolist() for row, row_mask in zip(input_ids, mask, strict=True)]
+    width = input_ids.shape[1]
+    new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - width
+    longest = max(map(len, prompts))
+    if new_tokens < 1 or longest + new_tokens > buckets.max_length:
+        return (f"{longest + new_tokens} positions (a prompt of {longest} tokens, {new_tokens} new tokens) where "
+                f"the engine's cache holds {buckets.max_length}")
+    model._prepare_special_tokens(config, "attention_mask" in model_kwargs, device=torch.device("cpu"))
+    processors = model._get_logits_processor(
+        generation_config=config, input_ids_seq_length=width, encoder_input_ids=input_ids,
+        logits_processor=model_kwargs.get("logits_processor"), device=torch.device("cpu"), model_kwargs={})
+    settings = _sampling(processors, config)
+    if isinstance(settings, str):
+        return settings
+    criteria = model._get_stopping_criteria(config, model_kwargs.get("stopping_criteria") or StoppingCriteriaList(),
+                                            tokenizer=model_kwargs.get("tokenizer"))
+    host_criteria = StoppingCriteriaList(criterion for criterion in criteria
+                                         if not isinstance(criterion, MaxLengthCriteria | EosTokenCriteria))
+    eos = config._eos_token_tensor
+    eos_ids = set() if eos is None else set(eos.reshape(-1).tolist())
+    pad = config._pad_token_tensor
+    pad_id = int(pad) if pad is not None else min(eos_ids, default=0)
+    rows = []
+    for _ in prompts:  # (each row its own seed, from torch's default generator)
+        seed = int(torch.randint(2**62, ())) if config.do_sample else None
+        rows.append(SamplingSettings(**{**settings, "seed": seed}))
+    return EngineCall(input_ids, prompts, new_tokens, rows, eos_ids, pad_id, host_criteria,
+                      model_kwargs.get("streamer"))
+
+
+def _sampling(processors: LogitsProcessorList, config: GenerationConfig) -> dict[str, Any] | str:
+    """The `SamplingSettings` fields of `processors`, or why the engine's step cannot apply them."""
+    penalties = [processor for processor in processors if isinstance(processor, RepetitionPenaltyLogitsProcessor)]
+    warpers = LogitsProcessorList(processor for processor in processors if processor not in penalties)
+    settings: dict[str, Any] = {}
+    if penalties:
+        if len(penalties) > 1 or processors[0] is not penalties[0] or penalties[0].prompt_ignore_length:
+            return "a repetition penalty other than Transformers' one from the generation config"
+        settings["repetition_penalty"] = float(penalties[0].penalty)
+    if not config.do_sample:
+        return settings if not warpers else f"logits processors {', '.join(type(p).__name__ for p in warpers)}"
+    parameters = SamplingParameters.of(warpers)
+    if parameters is None or parameters.min_tokens_to_keep != 1:
+        return f"logits processors {', '.join(type(p).__name__ for p in warpers)}"
+    return {**settings, "temperature": parameters.temperature, "top_k": parameters.top_k,
+            "top_p": parameters.top_p, "min_p": parameters.min_p}
