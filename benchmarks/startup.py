@@ -6,7 +6,8 @@ Each phase runs in a new process of its own (as a user's process meets it: nothi
 loaded before it), one after another, and prints its wall seconds, the graphs Dynamo traced, the
 programs the backend compiled and those it loaded from the compile cache, and the backend's
 compile seconds:
-- `precompile cold, layers inline`: `model.precompile()` of the default buckets with
+- `precompile cold, layers inline`: `model.precompile(sampling=True)` of the default buckets (the
+  graphs `compile` compiles: the generation engine's, its decode steps that sample included) with
   `OPTIMUM_NEURON_TORCH_DISABLE_LAYER_REUSE=1`, every decoder layer inline in every graph (the
   baseline: the library before layer reuse);
 - `precompile cold`: the same with one compile per distinct layer (the library);
@@ -17,9 +18,8 @@ compile seconds:
 - `eager first token` (the floor of a warm start): `from_pretrained` and one eager forward of the
   prompt on `neuron`, nothing compiled;
 - `serve after precompile`: `optimum-cli neuron-torch serve` on that cache, from launch until `/health`
-  answers 200. The server compiles graphs of its own (its slot steps), not those of `generate()`, so
-  this is a cold start for it (one engine for both: issue 37); then `serve warm`: again, on the cache
-  the first filled; with `--serve-cold`, also on an empty cache.
+  answers 200: the server runs the engine `generate()` runs, on the same buckets, so it loads what
+  `precompile` compiled; then `serve warm`: again; with `--serve-cold`, also on an empty cache.
 
     python benchmarks/startup.py [--model PATH] [--serve-cold] [--skip-serve] [--skip-inline]
 """
@@ -56,8 +56,8 @@ def phase(name: str, model: str | None) -> dict:
     ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     figures: dict = {"load_s": loaded}
     if name.startswith("precompile"):
-        neuron.precompile(show_progress=False)
-        figures["graphs_planned"] = len(neuron.neuron_generation.graph_plan())
+        neuron.precompile(show_progress=False, sampling=True)
+        figures["graphs_planned"] = len(neuron.neuron_generation.graph_plan(sampling=True))
     elif name == "generate warm":
         first: list[float] = []
 
@@ -170,7 +170,7 @@ def main() -> None:
           f"{warm['tokens_match_cpu']}); eager first token, the floor: {floor['first_token_s']:.2f} s "
           f"({warm['first_token_s'] / floor['first_token_s']:.1f}x)")
     if serve:
-        print(f"serve after precompile (cold for the server's own graphs), launch to ready: "
+        print(f"serve after precompile, launch to ready: "
               f"{serve['serve after precompile']:.1f} s; serve warm {serve['serve warm']:.1f} s (target <= 15 s)")
 
 

@@ -157,11 +157,14 @@ class CompiledGeneration:
             cache = StaticCache(config=self.model.config.get_text_config(decoder=True), max_cache_len=1)
         except Exception as error:  # (a config the static cache cannot read)
             return f"a config Transformers' static cache cannot read ({first_line(error)})"
+        why = unsupported_by_slots(self.model, cache)
+        if why is not None:
+            return why
         init_shape = self.model._get_static_cache_init_shape()
         config = self.model.config.get_text_config(decoder=True)
         if init_shape is None or not _early_shape_fits(self.model, config, init_shape, cache.layers):
             return "key/value heads other than those the config gives"
-        return unsupported_by_slots(self.model, cache)
+        return None
 
     @property
     def engine(self) -> GenerationEngine:
