@@ -28,6 +28,10 @@ from tiny_models import PROGRAMS_PER_GRAPH, TINY_MODELS, tiny_tokenizer
 
 PROGRAMS = 2 * PROGRAMS_PER_GRAPH  # the tiny llama's prefill bucket and decode step
 FUNCTIONS = 2  # their compiled functions, saved for warm starts (see `compiler.precompiled`)
+# What `compile --batch-sizes 1 --prompt-buckets 16 --max-length 32` compiles: the engine's prefill, chunk (in
+# context 32), decode step and decode step that samples, 4 functions, 9 distinct programs (3 shapes, a program
+# before the layers and a layer program each; after the layers: the prefill's, the greedy and the sampling step's)
+SAVED_FUNCTIONS, SAVED_PROGRAMS = 4, 9
 
 STANDIN = Path(__file__).parent / "torchneuron_standin"
 CLI = os.path.join(os.path.dirname(sys.executable), "optimum-cli")
@@ -478,9 +482,10 @@ def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llam
                                "--save", str(saved), env=machine(tmp_path, "a"))
     assert compiled.returncode == 0, compiled.stderr[-5000:]
     assert "graphs compiled by TorchNeuron" in compiled.stdout
-    assert f"saved with TorchNeuron's compiled artifacts ({PROGRAMS} neuron_neff)" in compiled.stdout, compiled.stdout
+    assert f"saved with TorchNeuron's compiled artifacts ({SAVED_PROGRAMS} neuron_neff)" in compiled.stdout, \
+        compiled.stdout
     spec = json.loads((saved / "neuron_generation.json").read_text())
-    assert spec["torch_cache_artifacts"] == {"neuron_neff": PROGRAMS}
+    assert spec["torch_cache_artifacts"] == {"neuron_neff": SAVED_PROGRAMS}
     assert spec["environment"]["backend"] == "torchneuron"
 
     prompt = [5, 17, 42, 9]
@@ -494,7 +499,7 @@ def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llam
         model = ont.NeuronAutoModelForCausalLM.from_pretrained({str(saved)!r})
         neffs = sum(len(files) for _, _, files in os.walk(os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"]))
         ids = torch.tensor([{prompt}])
-        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, eos_token_id=None,
                                 do_sample=False)
         print(json.dumps({{"neffs": neffs, "tokens": tokens[0].tolist(), **backend._stats}}))
         """,
@@ -502,8 +507,8 @@ def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llam
     )
     assert result.returncode == 0, result.stderr[-5000:]
     out = _last_json(result.stdout)
-    assert out["neffs"] == PROGRAMS and out["tokens"] == expected
-    assert out["compiled"] == 0 and out["neff_cache_hits"] == PROGRAMS
+    assert out["neffs"] == SAVED_PROGRAMS and out["tokens"] == expected
+    assert out["compiled"] == 0 and out["neff_cache_hits"] == PROGRAMS  # (the prefill's and the greedy step's)
 
     # `cache push` / `cache pull` carry TorchNeuron's NEFF cache: a third machine pulls the first's
     # NEFFs and generates with the plain model folder (no saved artifacts), compiling nothing.
@@ -511,11 +516,11 @@ def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llam
     pushed = torchneuron.cli("cache", "push", str(remote_folder),
                              env=machine(tmp_path, "a"))
     # (the NEFFs, and the compiled functions saved for warm starts)
-    assert pushed.returncode == 0 and f"pushed {PROGRAMS + FUNCTIONS} compiled graphs" in pushed.stdout, \
+    assert pushed.returncode == 0 and f"pushed {SAVED_PROGRAMS + SAVED_FUNCTIONS} compiled graphs" in pushed.stdout, \
         pushed.stderr[-3000:]
     pulled = torchneuron.cli("cache", "pull", str(remote_folder),
                              env=machine(tmp_path, "c"))
-    assert pulled.returncode == 0 and f"pulled {PROGRAMS + FUNCTIONS} compiled graphs" in pulled.stdout, \
+    assert pulled.returncode == 0 and f"pulled {SAVED_PROGRAMS + SAVED_FUNCTIONS} compiled graphs" in pulled.stdout, \
         pulled.stderr[-3000:]
     result = torchneuron.python(
         f"""
@@ -523,9 +528,9 @@ def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llam
         from torch_neuronx.neuron_dynamo_backend import backend
 
         model = ont.NeuronAutoModelForCausalLM.from_pretrained({str(llama)!r})
-        model.precompile(batch_sizes=(1,), prompt_buckets=(16,), max_length=32, show_progress=False)
+        model.precompile(batch_sizes=(1,), prompt_buckets=(16,), max_length=32, show_progress=False, sampling=True)
         ids = torch.tensor([{prompt}])
-        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+        tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, eos_token_id=None,
                                 do_sample=False)
         print(json.dumps({{"tokens": tokens[0].tolist(), **backend._stats}}))
         """,
@@ -533,7 +538,9 @@ def test_compile_save_and_reload_carry_torchneuron_s_artifacts(torchneuron, llam
     )
     assert result.returncode == 0, result.stderr[-5000:]
     out = _last_json(result.stdout)
-    assert out["tokens"] == expected and out["compiled"] == 0 and out["neff_cache_hits"] == PROGRAMS
+    # (each of the 4 graphs loads its 3 programs, those the graphs share included)
+    assert out["tokens"] == expected and out["compiled"] == 0
+    assert out["neff_cache_hits"] == SAVED_FUNCTIONS * PROGRAMS_PER_GRAPH
 
 
 def test_saving_without_compiled_artifacts_says_so(torchneuron, llama, tmp_path):
