@@ -358,7 +358,7 @@ class GenerationEngine:
                      "".join(traceback.format_exception(error)).rstrip())
         for request in requests:
             if not request.cancelled:
-                request.error = error
+                request.error = error.with_traceback(None)  # (its frames hold device tensors)
                 self._emit(request, Event("", len(request.tokens), "error",
                                           f"{type(error).__name__} while {during}: {error}"))
             request.cancelled = True
