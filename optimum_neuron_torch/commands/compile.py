@@ -29,15 +29,14 @@ def compile_model(model_id: str, batch_sizes: tuple[int, ...] | None = None,
     process is one rank of a job of `tp_size` (see `launch`); rank 0 reports."""
     model = load_generative_model(model_id, tp_size)
     first = is_first_rank()
+    # (the engine's decode steps that sample too: what `serve` runs, which then compiles nothing)
+    sampling = True if model.neuron_generation.engine_gap is None else None
     if dry_run:
         if first:
-            bill = model.compile_bill(batch_sizes, prompt_buckets, max_length, context_buckets,
-                                      sampling=True if model.neuron_generation.engine_gap is None else None)
+            bill = model.compile_bill(batch_sizes, prompt_buckets, max_length, context_buckets, sampling=sampling)
             print("\n".join([f"{type(model).__name__}: the compile bill (--dry-run: nothing compiled)", *bill]))
         return
     reset_cache_stats()
-    # (the engine's decode steps that sample too: what `serve` runs, which then compiles nothing)
-    sampling = True if model.neuron_generation.engine_gap is None else None
     model.precompile(batch_sizes, prompt_buckets, max_length, show_progress=first, context_buckets=context_buckets,
                      sampling=sampling)
     if save is not None:

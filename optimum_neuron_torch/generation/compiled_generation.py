@@ -153,15 +153,15 @@ class CompiledGeneration:
             return "a model split between ranks"
         if self.encoder_decoder:
             return "an encoder-decoder model"
+        config = self.model.config.get_text_config(decoder=True)
         try:
-            cache = StaticCache(config=self.model.config.get_text_config(decoder=True), max_cache_len=1)
+            cache = StaticCache(config=config, max_cache_len=1)
         except Exception as error:  # (a config the static cache cannot read)
             return f"a config Transformers' static cache cannot read ({first_line(error)})"
         why = unsupported_by_slots(self.model, cache)
         if why is not None:
             return why
         init_shape = self.model._get_static_cache_init_shape()
-        config = self.model.config.get_text_config(decoder=True)
         if init_shape is None or not _early_shape_fits(self.model, config, init_shape, cache.layers):
             return "key/value heads other than those the config gives"
         return None
@@ -410,12 +410,6 @@ class CompiledGeneration:
                      kwargs: dict[str, Any]) -> engine_calls.EngineCall | None:
         """The call as requests of the engine, or None if it runs on this module's graphs."""
         if self.engine_gap is not None:
-            return None
-        for name in UNSUPPORTED_KWARGS:
-            if kwargs.get(name) is not None:
-                return None
-        config, _ = self.model._prepare_generation_config(generation_config, **kwargs)
-        if config.disable_compile:
             return None
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
         call = engine_calls.plan(self.model, self.buckets, input_ids,

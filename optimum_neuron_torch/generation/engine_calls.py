@@ -18,7 +18,6 @@ What a call keeps of Transformers' `generate()`:
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,9 +80,8 @@ class EngineCall:
         requests = [Request(prompt, self.max_new_tokens, sampling, [], lambda event: None,
                             eos_token_ids=self.eos_token_ids)
                     for prompt, sampling in zip(self.prompts, self.sampling, strict=True)]
-        lock = threading.Lock()  # (events come from the thread running the engine, one at a time)
-        for row, request in enumerate(requests):
-            request.on_event = lambda event, row=row, request=request: self._on_event(row, request, event, lock)
+        for row, request in enumerate(requests):  # (events come from the one thread running the engine)
+            request.on_event = lambda event, row=row, request=request: self._on_event(row, request, event)
         engine.complete(requests)
         failure = next((request.error for request in requests if request.error is not None), None)
         if self.failures or failure is not None:
@@ -96,19 +94,17 @@ class EngineCall:
             new[row, : len(request.tokens)] = torch.tensor(request.tokens, dtype=self.input_ids.dtype)
         return torch.cat([self.input_ids, new], dim=1)
 
-    def _on_event(self, row: int, request: Request, event: Event, lock: threading.Lock) -> None:
+    def _on_event(self, row: int, request: Request, event: Event) -> None:
         """After each token of `row`: the streamer gets it, and the host's criteria may end the row."""
         if event.finish_reason == "error":
             return
         try:
-            with lock:
-                token = torch.tensor([request.tokens[-1]])
-                if self.streamer is not None:
-                    self.streamer.put(token)
-                if event.finish_reason is None and len(self.criteria):
-                    sequence = torch.cat([self.input_ids[row], torch.tensor(request.tokens)])[None]
-                    if bool(self.criteria(sequence, None).any()):
-                        request.cancelled = True  # (done: it leaves its slot)
+            if self.streamer is not None:
+                self.streamer.put(torch.tensor([request.tokens[-1]]))
+            if event.finish_reason is None and len(self.criteria):
+                sequence = torch.cat([self.input_ids[row], torch.tensor(request.tokens)])[None]
+                if bool(self.criteria(sequence, None).any()):
+                    request.cancelled = True  # (done: it leaves its slot)
         except BaseException as error:
             self.failures.append(error)
             raise
@@ -126,6 +122,8 @@ def plan(model: PreTrainedModel, buckets: Buckets, input_ids: torch.Tensor | Non
     if input_ids is None or not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
         return "generation without a 2D tensor of input ids"
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    if config.disable_compile:
+        return "disable_compile=True"
     others = sorted(name for name, value in model_kwargs.items() if name not in ENGINE_KWARGS and value is not None)
     if others:
         return f"the arguments {', '.join(others)}"
