@@ -120,8 +120,9 @@ def on_device(*tensors):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mask_kind", [None, "bool", "additive", "-inf"])
-@pytest.mark.parametrize("shape", [(2, 9, 3, 1, 128, 64), (1, 4, 4, 5, 300, 24), (3, 8, 2, 8, 1000, 72)],
-                         ids=["decode-gqa", "5-rows-dim-24", "8-rows-dim-72"])
+@pytest.mark.parametrize("shape", [(2, 9, 3, 1, 128, 64), (1, 4, 4, 5, 300, 24), (3, 8, 2, 8, 1000, 72),
+                                   (2, 6, 2, 16, 203, 20)],
+                         ids=["decode-gqa", "5-rows-dim-24", "8-rows-dim-72", "16-rows-dim-20"])
 def test_decode_attention_equals_the_float64_attention(dtype, mask_kind, shape):
     query, key, value, mask = attention_inputs(*shape, dtype, mask_kind)
     expected = float64_attention(query, key, value, mask)
@@ -158,9 +159,9 @@ def test_decode_attention_returns_the_cpu_kernels_logsumexp_and_its_gradients_fo
         torch.testing.assert_close(device_grad, cpu_grad, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["127 keys", "9 query rows", "causal"])
+@pytest.mark.parametrize("case", ["127 keys", "17 query rows", "causal"])
 def test_attention_the_decode_kernel_does_not_take_is_the_cpu_kernels(case):
-    rows, keys = {"127 keys": (1, 127), "9 query rows": (9, 200), "causal": (4, 200)}[case]
+    rows, keys = {"127 keys": (1, 127), "17 query rows": (17, 200), "causal": (4, 200)}[case]
     query, key, value, _ = attention_inputs(1, 4, 4, rows, keys, 32, torch.float32, None)
     causal = case == "causal"
     cpu = F.scaled_dot_product_attention(query, key, value, is_causal=causal)

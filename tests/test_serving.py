@@ -321,8 +321,9 @@ def test_a_long_prompt_is_prefilled_a_chunk_a_turn_between_the_others_decode_ste
     def recording(request, start, length, context):
         pieces.append((request.on_event.__self__, start, length, context, len(short)))
         if request.on_event.__self__ is long and start + length == MAX_LENGTH:
-            first_row = request._slot * MAX_LENGTH
-            written.append(engine.cache.layers[0].keys[first_row:first_row + start].cpu().clone())
+            layer = engine.cache.layers[0]  # ([slots, heads, positions, head_dim])
+            keys = layer.keys.view(layer.slots, layer.num_heads, MAX_LENGTH, -1)
+            written.append(keys[request._slot, :, :start].cpu().clone())
         run_piece(request, start, length, context)
         if request.on_event.__self__ is cancelled:
             engine.cancel(request)
@@ -349,7 +350,7 @@ def test_a_long_prompt_is_prefilled_a_chunk_a_turn_between_the_others_decode_ste
     assert "".join(event.text for event in long) == expected(cpu_model, tokenizer, long_prompt, 8)[1]
     with torch.no_grad():  # (what the CPU writes for those positions: nothing else overwrote them)
         cpu_cache = cpu_model(torch.tensor([long_prompt[:80]]), use_cache=True).past_key_values
-    torch.testing.assert_close(written[0], cpu_cache.layers[0].keys[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(written[0], cpu_cache.layers[0].keys[0], rtol=1e-5, atol=1e-5)
 
     wait_until(lambda: short and short[-1].finish_reason)
     assert "".join(event.text for event in short) == expected(cpu_model, tokenizer, short_prompt, 40)[1]

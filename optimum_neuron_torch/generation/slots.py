@@ -38,6 +38,7 @@ from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 from .. import errors
 from ..compiler import regions
 from ..compiler.dynamo_backend import recording_cache_keys
+from .attention import packed_attention, takes_boolean_mask
 from .buckets import Buckets, engine_plan
 from .compiling import COMPILE_CONFIG, QUIET_WHILE_TRACED
 from .requests import NO_PENALTIES, PENALTIES, TAKEN, WARPERS
@@ -64,10 +65,13 @@ class SlotWrites:
 class SlotLayer(StaticLayer):
     """A static layer whose rows are written at their own positions (see `SlotWrites`).
 
-    Its keys and values are held as `[slots * max_length, heads, head_dim]`, slot-major, so that a
-    step writes each (row, position) with one `index_copy_` into the layer's own tensor, as
-    Transformers' static layers write theirs (the compiler does that in place; a scatter into a
-    view of the cache costs a copy of the view), and reads each row's first positions as a view."""
+    Its keys and values are held as `[slots * heads * max_length, head_dim]`: slot-major, then head-major
+    as Transformers' static layers (`[batch, heads, positions, head_dim]`), so that a step writes each
+    (row, head, position) with one `index_copy_` into the layer's own tensor, as Transformers' static
+    layers write theirs (the compiler does that in place; a scatter into a view of the cache costs a
+    copy of the view), and reads each head of a row's first positions as one contiguous view (a head's
+    positions a stride apart, with the heads of a position side by side, read 3x slower on the CPU
+    behind the reference device, see `benchmarks/RESULTS.md`)."""
 
     def __init__(self, max_cache_len: int, writes: SlotWrites) -> None:
         super().__init__(max_cache_len=max_cache_len)
@@ -76,8 +80,8 @@ class SlotLayer(StaticLayer):
     def allocate(self, slots: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.slots, self.num_heads, self.dtype, self.device = slots, heads, dtype, device
         self.k_head_dim = self.v_head_dim = head_dim
-        self.keys = torch.zeros((slots * self.max_cache_len, heads, head_dim), dtype=dtype, device=device)
-        self.values = torch.zeros((slots * self.max_cache_len, heads, head_dim), dtype=dtype, device=device)
+        self.keys = torch.zeros((slots * heads * self.max_cache_len, head_dim), dtype=dtype, device=device)
+        self.values = torch.zeros((slots * heads * self.max_cache_len, head_dim), dtype=dtype, device=device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
@@ -85,16 +89,17 @@ class SlotLayer(StaticLayer):
         writes = self.writes
         rows, heads, _, head_dim = key_states.shape
         first = writes.slot if writes.slot is not None else torch.arange(rows, device=key_states.device)
-        index = (first[:, None] * self.max_cache_len + writes.positions).reshape(-1)  # [rows * tokens]
-        self.keys.index_copy_(0, index, key_states.transpose(1, 2).reshape(-1, heads, head_dim))
-        self.values.index_copy_(0, index, value_states.transpose(1, 2).reshape(-1, heads, head_dim))
-        keys = self.keys.view(self.slots, self.max_cache_len, heads, head_dim)
-        values = self.values.view(self.slots, self.max_cache_len, heads, head_dim)
+        row_heads = first[:, None] * heads + torch.arange(heads, device=key_states.device)[None, :]  # [rows, heads]
+        index = (row_heads[:, :, None] * self.max_cache_len + writes.positions[:, None, :]).reshape(-1)
+        self.keys.index_copy_(0, index, key_states.reshape(-1, head_dim))  # ([rows, heads, tokens] order)
+        self.values.index_copy_(0, index, value_states.reshape(-1, head_dim))
+        keys = self.keys.view(self.slots, heads, self.max_cache_len, head_dim)
+        values = self.values.view(self.slots, heads, self.max_cache_len, head_dim)
         if writes.slot is not None:  # a prefill: its slot's row
             keys, values = keys.index_select(0, writes.slot), values.index_select(0, writes.slot)
         else:  # a decode step: the first rows
             keys, values = keys[:rows], values[:rows]
-        return keys[:, : writes.context].transpose(1, 2), values[:, : writes.context].transpose(1, 2)
+        return keys[:, :, : writes.context], values[:, :, : writes.context]
 
 
 class TokenCounts:
@@ -221,7 +226,7 @@ def _as_attention_takes(mask: torch.Tensor, model: PreTrainedModel) -> torch.Ten
     """A boolean mask (True: attended) as the model's attention takes it, as Transformers' masks
     are made: boolean for SDPA, else (eager attention adds it to the scores) 0 where attended and the
     dtype's lowest value elsewhere."""
-    if model.config._attn_implementation == "sdpa":
+    if takes_boolean_mask(model):
         return mask
     return torch.where(mask, 0.0, torch.finfo(model.dtype).min).to(model.dtype)
 
@@ -285,8 +290,9 @@ class SlotSteps:
         writes.context = context
         sampled = slot is not None or any(row[0] > 0 or row[PENALTIES] != NO_PENALTIES for row in sampling)
         try:
-            return self.step(self.model, self.cache, torch.tensor(ids, device=device), positions_tensor,
-                             torch.tensor([last], device=device), torch.tensor(sampling, device=device),
-                             torch.tensor(uniform, dtype=torch.float32, device=device), sampled).cpu()
+            with packed_attention(self.model):
+                return self.step(self.model, self.cache, torch.tensor(ids, device=device), positions_tensor,
+                                 torch.tensor([last], device=device), torch.tensor(sampling, device=device),
+                                 torch.tensor(uniform, dtype=torch.float32, device=device), sampled).cpu()
         finally:  # (between steps the device holds the cache only)
             writes.positions = writes.slot = None

@@ -33,6 +33,29 @@ __attribute__((target("avx2,fma"))) inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
 }
 
+// exp of 8 floats, as Cephes' expf: exp(x) = 2^n exp(r) with r = x - n ln(2) in [-ln(2)/2, ln(2)/2] and a
+// degree-6 polynomial for exp(r), within about 2 ulp of std::exp. Below -88.38 (and -inf) it is 0, as
+// std::exp underflows there; the callers' inputs are at most 0 (a score minus the row's maximum).
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  const __m256 low = _mm256_set1_ps(-88.3762626647949f);
+  const __m256 underflow = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), low);
+  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  // r = x - n ln(2), with ln(2) in two parts so that n * the first is exact.
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+  return _mm256_blendv_ps(y, _mm256_setzero_ps(), underflow);
+}
+
 #else
 
 inline bool has_avx2_fma() {
