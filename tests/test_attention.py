@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, LlavaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from optimum_neuron_torch.generation import Buckets, enable_compiled_generation
@@ -49,6 +50,15 @@ def test_packed_attention_equals_transformers_sdpa_attention_on_the_device(heads
     torch.testing.assert_close(output.cpu(), expected.cpu(), rtol=1e-5, atol=1e-6)
 
 
+def test_packed_attention_takes_a_mask_shared_by_the_tokens():
+    """A mask whose query dimension is 1 holds for every token, as SDPA broadcasts it."""
+    query, key, value, mask = attention_inputs(2, 6, 2, 4, 40, "bool")
+    mask = mask[:, :, :1]
+    expected, _ = sdpa_attention_forward(Attention(3), query, key, value, mask)
+    output, _ = packed_sdpa_attention(Attention(3), query, key, value, mask)
+    torch.testing.assert_close(output, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_packed_attention_without_a_mask_is_transformers_causal_sdpa():
     """A causal flag aligns with query rows, which packing reorders: without a mask nothing is packed."""
     query, key, value, _ = attention_inputs(2, 4, 2, 6, 6, "bool")
@@ -67,6 +77,20 @@ def test_packed_attention_is_scoped_to_sdpa_models():
     with pytest.raises(RuntimeError), packed_attention(sdpa):
         raise RuntimeError("a step failed")
     assert sdpa.config._attn_implementation == "sdpa"
+
+
+def test_packed_attention_restores_each_sub_config_s_own_choice():
+    """A composite model (a vision tower with eager attention beside an SDPA text model): only the SDPA
+    parts switch, and each part gets its own choice back."""
+    config = LlavaConfig(text_config=dict(model_type="llama", num_hidden_layers=1),
+                         vision_config=dict(model_type="clip_vision_model", num_hidden_layers=1))
+    config._attn_implementation = {"": "sdpa", "text_config": "sdpa", "vision_config": "eager"}
+    model = types.SimpleNamespace(config=config)
+    with packed_attention(model):
+        assert (config._attn_implementation, config.text_config._attn_implementation,
+                config.vision_config._attn_implementation) == (PACKED_SDPA, PACKED_SDPA, "eager")
+    assert (config._attn_implementation, config.text_config._attn_implementation,
+            config.vision_config._attn_implementation) == ("sdpa", "sdpa", "eager")
 
 
 def test_the_engine_s_steps_read_grouped_heads_in_place_and_match_eager(monkeypatch):

@@ -159,11 +159,29 @@ def test_decode_attention_returns_the_cpu_kernels_logsumexp_and_its_gradients_fo
         torch.testing.assert_close(device_grad, cpu_grad, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["127 keys", "17 query rows", "causal"])
+@pytest.mark.parametrize("case", ["127 keys", "65 query rows", "causal"])
 def test_attention_the_decode_kernel_does_not_take_is_the_cpu_kernels(case):
-    rows, keys = {"127 keys": (1, 127), "17 query rows": (17, 200), "causal": (4, 200)}[case]
+    rows, keys = {"127 keys": (1, 127), "65 query rows": (65, 200), "causal": (4, 200)}[case]
     query, key, value, _ = attention_inputs(1, 4, 4, rows, keys, 32, torch.float32, None)
     causal = case == "causal"
     cpu = F.scaled_dot_product_attention(query, key, value, is_causal=causal)
     output = F.scaled_dot_product_attention(*on_device(query, key, value), is_causal=causal)
     assert torch.equal(output.cpu(), cpu)  # the same kernel, bit for bit
+
+
+@pytest.mark.parametrize("position", [3, 197], ids=["in a block of 8 keys", "in the last keys"])
+def test_a_nan_key_makes_the_rows_that_read_its_head_nan_as_on_the_cpu(position):
+    """SDPA hands the kernels a bool mask as an additive one (-inf where hidden), and NaN + -inf is NaN:
+    every row that reads the NaN key's head is NaN (TorchNeuron's decomposition adds it too), even one
+    that attends that key only, or one whose mask hides it; the other head's rows are numbers."""
+    query, key, value, allowed = attention_inputs(1, 4, 2, 3, 200, 32, torch.float32, "bool")
+    key[0, 1, position] = float("nan")  # (read by query heads 2 and 3)
+    allowed[..., position] = True  # (row 0 attends that key only)
+    allowed[0, 0, 2, position] = False
+    cpu = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, enable_gqa=True)
+    output = F.scaled_dot_product_attention(*on_device(query, key, value), attn_mask=on_device(allowed)[0],
+                                            enable_gqa=True).cpu()
+    expected = torch.zeros(1, 4, 3, dtype=torch.bool)
+    expected[0, 2:] = True
+    assert torch.equal(cpu.isnan().all(-1), expected) and torch.equal(cpu.isnan().any(-1), expected)
+    assert torch.equal(output.isnan().all(-1), expected) and torch.equal(output.isnan().any(-1), expected)

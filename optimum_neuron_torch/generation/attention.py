@@ -15,7 +15,8 @@ kernel may lack.
 
 The engine's steps run with it in place of `"sdpa"` (`packed_attention`: the model's config names it for
 the step's duration, which its compiled graphs are guarded on); models with another attention are left as
-they are. (A forward of the same model on another thread during a step would run it too: same results.)
+they are. (A forward of the same model on another thread during a step would run it too, and a graph of
+that forward compiled then would be compiled again after.)
 """
 
 from __future__ import annotations
@@ -50,12 +51,15 @@ def packed_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: tor
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     groups = heads // kv_heads
-    # Query head h reads key/value head h // groups (as `repeat_kv` lays them out).
+    # Query head h reads key/value head h // groups (as `repeat_kv` lays them out): row g * tokens + t of
+    # key/value head k is token t of query head k * groups + g, whose mask is token t's.
     packed = query.reshape(rows, kv_heads, groups * tokens, head_dim)
-    mask = attention_mask.expand(-1, groups, -1, -1).reshape(attention_mask.shape[0], 1, groups * tokens, -1)
+    mask = attention_mask.expand(-1, 1, tokens, -1)[:, :, None].expand(-1, -1, groups, -1, -1)
+    mask = mask.reshape(mask.shape[0], 1, groups * tokens, -1)
     output = torch.nn.functional.scaled_dot_product_attention(packed, key, value, attn_mask=mask, dropout_p=dropout,
                                                               scale=scaling)
-    return output.reshape(rows, heads, tokens, head_dim).transpose(1, 2).contiguous(), None
+    # (the batch as SDPA broadcast it, and the values' head size, as Transformers' own attention reads them)
+    return output.reshape(output.shape[0], heads, tokens, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(PACKED_SDPA, packed_sdpa_attention)
@@ -69,13 +73,20 @@ def takes_boolean_mask(model: PreTrainedModel) -> bool:
 
 @contextlib.contextmanager
 def packed_attention(model: PreTrainedModel) -> Iterator[None]:
-    """Within: a model whose attention is SDPA runs `packed_sdpa_attention` instead (restored after)."""
+    """Within: the parts of a model whose attention is SDPA (its config, and each of its sub-configs, e.g.
+    a vision tower's) run `packed_sdpa_attention` instead; every part's own choice is restored after."""
     config = model.config
-    if config._attn_implementation != "sdpa":
+    before = {"": config._attn_implementation}
+    for key in config.sub_configs:
+        sub_config = getattr(config, key, None)
+        if sub_config is not None:
+            before[key] = sub_config._attn_implementation
+    if "sdpa" not in before.values():
         yield
         return
-    config._attn_implementation = PACKED_SDPA
+    # (Transformers' setter takes a dict: "" names the config itself, the other keys its sub-configs.)
+    config._attn_implementation = {key: PACKED_SDPA if value == "sdpa" else value for key, value in before.items()}
     try:
         yield
     finally:
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = before

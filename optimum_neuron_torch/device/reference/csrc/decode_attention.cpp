@@ -19,7 +19,9 @@
 namespace neuron {
 namespace {
 
-constexpr int64_t kMaxQueryRows = 16; // decode steps (a few tokens, or a group of heads packed as rows)
+// Decode steps: a few tokens, or the query heads of a group packed as rows (up to 64: multi-query
+// models' groups); longer queries are prefills, which the CPU kernel's blocks suit.
+constexpr int64_t kMaxQueryRows = 64;
 constexpr int64_t kKeyBlock = 32; // value rows read together for every query row (32 rows of 128 floats: 16 KB)
 constexpr int64_t kMinKeys = 128; // below: the tests' tiny caches, and the CPU kernel is cheap there
 
@@ -171,7 +173,8 @@ __attribute__((target("avx2,fma"))) void attend(const std::vector<QueryRow<T>>& 
   for (int64_t r = 0; r < count; ++r) {
     float* row_scores = scores.data() + r * keys;
     float max = -std::numeric_limits<float>::infinity();
-    for (int64_t s = 0; s < keys; ++s) max = std::max(max, row_scores[s]);
+    // (a NaN score, from a NaN key the row attends, makes the maximum NaN, so the row's output is NaN)
+    for (int64_t s = 0; s < keys; ++s) max = row_scores[s] > max || std::isnan(row_scores[s]) ? row_scores[s] : max;
     const bool all_masked = max == -std::numeric_limits<float>::infinity();
     max = all_masked ? 0.0f : max;
     float sum = weigh(row_scores, keys, max, all_masked);

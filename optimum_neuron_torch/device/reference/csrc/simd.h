@@ -34,12 +34,13 @@ __attribute__((target("avx2,fma"))) inline float lane_sum(__m256 v) {
 }
 
 // exp of 8 floats, as Cephes' expf: exp(x) = 2^n exp(r) with r = x - n ln(2) in [-ln(2)/2, ln(2)/2] and a
-// degree-6 polynomial for exp(r), within about 2 ulp of std::exp. Below -88.38 (and -inf) it is 0, as
-// std::exp underflows there; the callers' inputs are at most 0 (a score minus the row's maximum).
+// degree-6 polynomial for exp(r), within about 2 ulp of std::exp above -87.3 (below, where std::exp's
+// results are denormal, and at -inf, it is 0: softmax weights that small change nothing). NaN stays NaN
+// (min/max return their second operand when either is NaN). The callers' inputs are at most 0.
 __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
   const __m256 low = _mm256_set1_ps(-88.3762626647949f);
   const __m256 underflow = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), low);
+  x = _mm256_max_ps(low, _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), x));
   const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
   // r = x - n ln(2), with ln(2) in two parts so that n * the first is exact.
   x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
