@@ -30,7 +30,7 @@ import contextlib
 import time
 
 import torch
-from generate import read_bandwidth
+from generate import bytes_per_step, read_bandwidth
 
 CONTEXTS = (128, 2048)
 BATCHES = (1, 8)
@@ -49,11 +49,9 @@ def main() -> None:
     from optimum_neuron_torch.loading.default_model import default_model_path
 
     bandwidth = read_bandwidth(args.threads)
-    model = NeuronAutoModelForCausalLM.from_pretrained(default_model_path(), dtype=torch.float32)
+    folder = default_model_path()
+    model = NeuronAutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     steps = slots.SlotSteps(model, Buckets.for_slots(model.config, 8, 2048))
-    config = model.config
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_bytes_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4
     variants = {"packed": slots.packed_attention, "repeat_kv": lambda model: contextlib.nullcontext()}
     greedy = SamplingSettings().row()
     best: dict[tuple[int, int | str, str], float] = {}  # (context, batch or "chunk", variant): seconds
@@ -82,13 +80,14 @@ def main() -> None:
     finally:
         slots.packed_attention = variants["packed"]
 
+    weights = bytes_per_step(folder, "float32", 1, 0)[0]
     print(f"read bandwidth {bandwidth:.1f} GB/s ({args.threads} threads); weights {weights / 1e6:.0f} MB")
     print("| context | batch | packed (ms) | repeat_kv (ms) | repeat_kv / packed | limit (ms) | packed / limit |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for context in CONTEXTS:
         for batch in BATCHES:
             packed, repeated = best[(context, batch, "packed")], best[(context, batch, "repeat_kv")]
-            limit = (weights + batch * context * kv_bytes_per_position) / (bandwidth * 1e9)
+            limit = sum(bytes_per_step(folder, "float32", batch, context)) / (bandwidth * 1e9)
             print(f"| {context} | {batch} | {packed * 1e3:.1f} | {repeated * 1e3:.1f} | {repeated / packed:.2f}x "
                   f"| {limit * 1e3:.1f} | {packed / limit:.2f}x |")
 
