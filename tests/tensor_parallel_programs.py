@@ -188,16 +188,18 @@ def program_context() -> None:
     greedy = dict(max_new_tokens=70, min_new_tokens=70, do_sample=False)
     before = cache_stats()
     torch._dynamo.utils.counters.clear()
-    contexts, forward = [], model.neuron_generation.forward
+    contexts, device = [], model.neuron_generation.engine.device
+    run = device.run
 
-    def recording(**inputs):
-        contexts.append(inputs["cache"].layers[0].keys.shape[2])
-        return forward(**inputs)
+    def recording(*call):
+        contexts.append(call[3])  # (ids, positions, last, context, ...)
+        return run(*call)
 
-    model.neuron_generation.forward = recording
+    device.run = recording
     tokens = model.generate(PROMPT[:1].to("neuron"), **greedy).cpu()
-    # 9 tokens padded to 16: the prefill and the 8 decode steps up to 24 tokens attend over 24 slots, then 48, 96.
-    check("context buckets: the steps' contexts", contexts, [24] * 9 + [48] * 24 + [96] * 37)
+    # 9 tokens: the prefill over its bucket (16), then the decode steps of positions 9-23 over 24 positions,
+    # 24-47 over 48 and 48-77 over 96 (the 70th token comes from the step at position 77).
+    check("context buckets: the steps' contexts", contexts, [16] + [24] * 15 + [48] * 24 + [96] * 30)
     check("context buckets: tokens through every bucket", tokens, reference.generate(PROMPT[:1], **greedy))
     check("context buckets: nothing compiled after precompile()",
           (cache_stats().misses - before.misses, sum(torch._dynamo.utils.counters["recompiles"].values())), (0, 0))

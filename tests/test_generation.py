@@ -527,15 +527,16 @@ def test_a_decoder_numbering_positions_by_cache_slot_keeps_its_prompt_length(fre
 ])
 def test_key_value_heads_the_config_does_not_give_generate_compiled(config, fresh_dynamo):
     """Key/value heads other than those Transformers' early static-cache initialization reads from
-    the config (one for multi-query attention, twice as many in MiMo's sliding layers): the cache is
-    sized by the model's own first update instead."""
+    the config (one for multi-query attention, twice as many in MiMo's sliding layers): the engine's
+    slots are sized by the keys and values of one eager step of the model instead."""
     cpu = noisy_model(config)
     model = enable_compiled_generation(copy.deepcopy(cpu).to("neuron"), BUCKETS)
     ids, settings = prompt(7), dict(max_new_tokens=6, min_new_tokens=6, **GREEDY)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # no fall-back to eager generation
         assert model.generate(ids.to("neuron"), **settings).cpu().tolist() == cpu.generate(ids, **settings).tolist()
-    assert model.neuron_generation.unservable is None
+    generation = model.neuron_generation
+    assert generation.unservable is None and generation.engine_gap is None and generation.engine.steps == 5
 
 
 @pytest.mark.slow

@@ -115,6 +115,7 @@ def encode(encoder: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     return encoder(input_ids=input_ids).last_hidden_state
 
 
+@pytest.mark.slow  # (37 s; the fast tier meets the same fall-back in test_pipelines' T5 text2text generation)
 def test_layers_dynamo_cannot_trace_as_regions_compile_whole_with_one_warning(fresh_cache):
     """T5's layers hand their position bias on, which `invoke_subgraph` does not capture: the graphs
     compile whole, once, with one warning naming why; the output is the CPU's."""

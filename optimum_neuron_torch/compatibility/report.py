@@ -104,6 +104,7 @@ class CompatibilityReport:
     training_stablehlo: str = "skipped: install the `stablehlo` extra (torch-mlir) to check lowering"
     training_error: str | None = None
     compile_bill: list[str] = field(default_factory=list)  # compiled generation's graphs (see `buckets.compile_bill`)
+    host_processors: list[str] = field(default_factory=list)  # what generate() chooses on the host, and how often
 
     def decide(self) -> str:
         """The verdict: blocked > needs patches > runs with fallbacks > runs natively."""
@@ -166,6 +167,8 @@ class CompatibilityReport:
         ]
         if self.compile_bill:
             sections.append(("Compiled generation: the compile bill", self.compile_bill))
+        if self.host_processors:
+            sections.append(("Generation: logits processors run on the host", self.host_processors))
         return sections + (self._training_sections() if self.training else [])
 
     def _training_sections(self) -> list[tuple[str, list[str]]]:

@@ -23,6 +23,7 @@ from ..compiler.dynamo_backend import recording_cache_keys
 from ..device import backend_info, clear_op_tracking, fallback_stats, support_profile
 from ..errors import ArgumentTypeError, first_line
 from ..fallbacks import fallback_policy
+from ..generation.engine_calls import host_processors
 from ..loading import resolve_checkpoint
 from ..module_stack import ModuleStack, observing_modules
 from ..patches import PATCHES, patched, patches_for
@@ -458,5 +459,20 @@ def check(model_or_id: torch.nn.Module | str | os.PathLike[str],
     generation = getattr(model, "neuron_generation", None)
     if generation is not None:
         report.compile_bill = generation.compile_bill()
+        report.host_processors = _host_processors(model, generation)
     report.decide()
     return report
+
+
+def _host_processors(model: PreTrainedModel, generation: Any) -> list[str]:
+    """What `generate()` runs on the host for the model's generation config (the logits processors the
+    engine's step does not apply on the device) and the tokens its calls so far chose there."""
+    lines = []
+    names = host_processors(model) if generation.engine_gap is None else []
+    if names:
+        lines.append(f"the generation config's logits processors ({', '.join(names)}) are not all ones the device "
+                     "applies: generate() chooses each token on the host, reading the row's logits (vocabulary x 4 "
+                     "bytes) every step; pass a generation config without them to keep the choice on the device")
+    lines += [f"{name}: {count} token(s) chosen on the host so far"
+              for name, count in sorted(generation.host_choices.items())]
+    return lines

@@ -23,6 +23,7 @@ does, from its first call on, a model whose compiled path fails (see
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import inspect
@@ -69,7 +70,7 @@ from .padding import (
     unpad,
 )
 from .sampling import SamplingParameters, sample
-from .slots import unsupported_by_slots
+from .slots import early_shape_fits, unsupported_by_slots
 from .tensor_parallel import (
     embeddings_without_padding_index,
     share_random_state,
@@ -141,16 +142,16 @@ class CompiledGeneration:
         # so a second thread's generate() waits for the first (the engine's calls share its steps).
         self._one_call = threading.RLock()
         self._engine: GenerationEngine | None = None
+        # Tokens the engine chose on the host, by logits processor that made it (see `engine_calls`).
+        self.host_choices: collections.Counter[str] = collections.Counter()
 
     @functools.cached_property
     def engine_gap(self) -> str | None:
         """Why the generation engine (`engine.GenerationEngine`) does not run this model's generate()
-        calls, which run on the compiled graphs of this module instead, or None: a model split
-        between ranks, or one whose cache the engine's slots do not hold (see `slots.unsupported_by_slots`)."""
+        calls, which run on the compiled graphs of this module instead, or None: a model whose cache
+        the engine's slots do not hold (see `slots.unsupported_by_slots`)."""
         if self.unservable is not None:
             return self.unservable[0]
-        if tensor_parallel_mesh(self.model) is not None:
-            return "a model split between ranks"
         if self.encoder_decoder:
             return "an encoder-decoder model"
         config = self.model.config.get_text_config(decoder=True)
@@ -158,13 +159,7 @@ class CompiledGeneration:
             cache = StaticCache(config=config, max_cache_len=1)
         except Exception as error:  # (a config the static cache cannot read)
             return f"a config Transformers' static cache cannot read ({first_line(error)})"
-        why = unsupported_by_slots(self.model, cache)
-        if why is not None:
-            return why
-        init_shape = self.model._get_static_cache_init_shape()
-        if init_shape is None or not _early_shape_fits(self.model, config, init_shape, cache.layers):
-            return "key/value heads other than those the config gives"
-        return None
+        return unsupported_by_slots(self.model, cache)
 
     @property
     def engine(self) -> GenerationEngine:
@@ -312,7 +307,7 @@ class CompiledGeneration:
             caches = [StaticCache(config=config, max_cache_len=length) for length in lengths]
             attention = any(getattr(layer, "supports_early_init", False) for layer in caches[0].layers)
             init_shape = model._get_static_cache_init_shape() if attention else None
-            if init_shape is not None and not _early_shape_fits(model, config, init_shape, caches[0].layers):
+            if init_shape is not None and not early_shape_fits(model, config, init_shape, caches[0].layers):
                 init_shape = None  # (the eager step below sizes the layers from the model's own keys and values)
             for cache, length in zip(caches, lengths, strict=True):
                 cache.layers = [_without_sliding_window(layer, length) for layer in cache.layers]
@@ -403,6 +398,8 @@ class CompiledGeneration:
                 return sequences.to(inputs.device if inputs is not None else kwargs["input_ids"].device)
             finally:
                 self.cache_keys |= self.engine.cache_keys if self._engine is not None else set()
+                for processor in call.host_processors or ():
+                    self.host_choices[type(processor).__name__] += call.host_tokens
         with self._one_call:
             return self._generate(transformers_generate, inputs, generation_config, **kwargs)
 
@@ -412,6 +409,9 @@ class CompiledGeneration:
         if self.engine_gap is not None:
             return None
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        mesh = tensor_parallel_mesh(self.model)
+        if mesh is not None:  # (every rank draws the rows' seeds, and runs the same steps with them)
+            share_random_state(mesh)
         call = engine_calls.plan(self.model, self.buckets, input_ids,
                                  generation_config, {k: v for k, v in kwargs.items() if k != "input_ids"})
         return call if isinstance(call, engine_calls.EngineCall) else None
@@ -782,30 +782,6 @@ def _why_padding_changes_outputs(model: PreTrainedModel) -> str | None:
     if "position_ids" not in inspect.signature(model.forward).parameters:
         return "numbers positions by cache slot (its forward takes no position_ids)"
     return None
-
-
-def _early_shape_fits(model: PreTrainedModel, config: Any, init_shape: tuple[Any, Any], layers: list[Any]) -> bool:
-    """Whether the `(num_heads, head_dim)` Transformers reads from the config to initialize a static
-    cache early fits the keys and values the model writes: a `multi_query` config (Falcon,
-    GPTBigCode) keeps one key/value head where Transformers counts the attention heads, and an
-    attention layer whose `k_proj`/`v_proj` is wider or narrower than that (MiMo-V2-Flash: sliding
-    layers with twice the heads, values of their own width) would fail its first cache update."""
-    if getattr(config, "multi_query", False):
-        return False
-    if tensor_parallel_mesh(model) is not None:  # (sharded projections: Transformers' shape is per rank)
-        return True
-    num_heads, head_dim = init_shape
-    for module in model.modules():
-        index = getattr(module, "layer_idx", None)
-        if not isinstance(index, int) or index >= len(layers) or not getattr(layers[index], "supports_early_init",
-                                                                            False):
-            continue
-        heads = num_heads[index] if isinstance(num_heads, list) else num_heads
-        width = head_dim[index] if isinstance(head_dim, list) else head_dim
-        for projection in (getattr(module, "k_proj", None), getattr(module, "v_proj", None)):
-            if isinstance(projection, torch.nn.Linear) and projection.out_features != heads * width:
-                return False
-    return True
 
 
 def _allocated(layer: Any) -> bool:

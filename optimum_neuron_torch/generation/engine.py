@@ -408,12 +408,12 @@ class GenerationEngine:
         end = min(start + length, len(request.prompt))
         ids = request.prompt[start:end] + [self.pad_token_id] * (start + length - end)
         final = end == len(request.prompt)  # (only its token is taken: only it draws a random number)
-        token = self.device.forward([ids], [list(range(start, start + length))], end - 1 - start, context,
-                              [self._uniform(request) if final else 0.0], [request.sampling.row(taken=final)],
-                              slot=request._slot)
+        tokens, logits = self.device.forward([ids], [list(range(start, start + length))], end - 1 - start, context,
+                                             [self._uniform(request) if final else 0.0],
+                                             [request.sampling.row(taken=final)], slot=request._slot)
         request._prefilled = end
         if final:
-            self._take(request, int(token[0]))
+            self._take(request, self._chosen(request, int(tokens[0]), logits[0]))
 
     def _decoding_rows(self) -> list[Request | None]:
         """The rows of the next decode step: the first slots, up to the smallest batch bucket that holds
@@ -427,15 +427,29 @@ class GenerationEngine:
         context = self.buckets.context_bucket_for(max(request.position + 1 for request in rows if request))
         # (a row without a decoding request writes where its slot's next prefill piece writes anyway)
         idle = [request._prefilled if request is not None else 0 for request in self._slots[:len(rows)]]
-        tokens = self.device.forward(
+        tokens, logits = self.device.forward(
             [[request.tokens[-1] if request else self.pad_token_id] for request in rows],
             [[request.position if request else position] for request, position in zip(rows, idle, strict=True)],
             0, context, [self._uniform(request) if request else 0.0 for request in rows],
-            [request.sampling.row() if request else SamplingSettings().row(taken=False) for request in rows])
+            [request.sampling.row(taken=request.choose is None) if request else SamplingSettings().row(taken=False)
+             for request in rows])
         self.steps += 1
-        for request, token in zip(rows, tokens.tolist(), strict=True):
-            if request is not None and not request.cancelled:
-                self._take(request, token)
+        for row, (request, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):
+            if request is None or request.cancelled:
+                continue
+            try:
+                token = self._chosen(request, token, logits[row])
+            except Exception as error:  # (its own processors': it fails alone, the others take their tokens)
+                self._fail([request], error, "choosing its token on the host")
+                continue
+            self._take(request, token)
+
+    def _chosen(self, request: Request, token: int, logits: torch.Tensor) -> int:
+        """`request`'s next token: the device's `token`, or, for a request that chooses on the host,
+        its choice from the row's `logits` (read from the device, as float32)."""
+        if request.choose is None:
+            return token
+        return request.choose(logits.to("cpu", torch.float32), request._generator)
 
     @staticmethod
     def _uniform(request: Request) -> float:

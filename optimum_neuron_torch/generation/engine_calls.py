@@ -6,8 +6,14 @@ What a call keeps of Transformers' `generate()`:
   `num_return_sequences` times, is one request: a prompt alone, whose tokens do not depend on the
   other rows, nor on other threads' calls running at the same time;
 - the logits processors Transformers builds for the call are applied by the engine's step, on the
-  device: the temperature, top-k, top-p and min-p warpers and the repetition penalty; a call with
-  any other processor runs on the compiled path of `compiled_generation` instead (`plan` says why);
+  device, when they are the temperature, top-k, top-p and min-p warpers and the repetition penalty;
+  a call with any other processor (`min_new_tokens`, `no_repeat_ngram_size`, `bad_words_ids`, the
+  caller's own...) has its tokens chosen on the host instead: each step reads the row's logits
+  (float32, as Transformers' loop reads them), runs every processor of the call on them, given the
+  row as Transformers' loop gives it (its left padding included), and takes the argmax or draws from
+  the softmax with the row's own generator (`EngineCall.choose`), which the call counts
+  (`host_tokens`); processors that read other rows of the batch (classifier-free guidance, a
+  `prefix_allowed_tokens_fn`) run on the compiled path of `compiled_generation` instead;
 - the new-token budget and the end-of-sequence tokens stop a row in the engine; the other stopping
   criteria (stop strings, `max_time`, the caller's) run on the host after each token of the row,
   given the row's sequence so far (`[1, length]`) and no scores (the logits stay on the device);
@@ -18,18 +24,21 @@ What a call keeps of Transformers' `generate()`:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import (
+    ClassifierFreeGuidanceLogitsProcessor,
     EosTokenCriteria,
     GenerationMode,
     LogitsProcessorList,
     MaxLengthCriteria,
     RepetitionPenaltyLogitsProcessor,
     StoppingCriteriaList,
+    UnbatchedClassifierFreeGuidanceLogitsProcessor,
 )
 
 from .buckets import Buckets
@@ -40,6 +49,8 @@ from .sampling import SamplingParameters
 
 # The arguments of generate() besides the generation config's fields that a call on the engine takes.
 ENGINE_KWARGS = {"attention_mask", "streamer", "tokenizer", "stopping_criteria", "logits_processor", "use_cache"}
+# Logits processors that read a row with the others of its batch, or run the model themselves: not per row.
+BATCH_PROCESSORS = (ClassifierFreeGuidanceLogitsProcessor, UnbatchedClassifierFreeGuidanceLogitsProcessor)
 
 
 @dataclass
@@ -56,6 +67,9 @@ class EngineCall:
         pad_token_id (`int`): what fills a row that ended before the longest.
         criteria (`StoppingCriteriaList`): the stopping criteria that run on the host.
         streamer (`Any`): Transformers' streamer, or None.
+        host_processors (`LogitsProcessorList`, *optional*): the call's logits processors when the
+            device cannot apply them: each token is then chosen on the host (see `choose`).
+        do_sample (`bool`): whether the host draws the tokens it chooses (else takes the argmax).
     """
 
     input_ids: torch.Tensor
@@ -66,6 +80,9 @@ class EngineCall:
     pad_token_id: int
     criteria: StoppingCriteriaList
     streamer: Any = None
+    host_processors: LogitsProcessorList | None = None
+    do_sample: bool = False
+    host_tokens: int = 0  # tokens chosen on the host so far
     failures: list[BaseException] = field(default_factory=list, repr=False)
 
     def run(self, engine: GenerationEngine) -> torch.Tensor:
@@ -82,6 +99,9 @@ class EngineCall:
                     for prompt, sampling in zip(self.prompts, self.sampling, strict=True)]
         for row, request in enumerate(requests):  # (events come from the one thread running the engine)
             request.on_event = lambda event, row=row, request=request: self._on_event(row, request, event)
+            if self.host_processors is not None:
+                request.choose = lambda logits, generator, row=row, request=request: self.choose(
+                    row, request, logits, generator)
         engine.complete(requests)
         failure = next((request.error for request in requests if request.error is not None), None)
         if self.failures or failure is not None:
@@ -93,6 +113,24 @@ class EngineCall:
         for row, request in enumerate(requests):
             new[row, : len(request.tokens)] = torch.tensor(request.tokens, dtype=self.input_ids.dtype)
         return torch.cat([self.input_ids, new], dim=1)
+
+    def choose(self, row: int, request: Request, logits: torch.Tensor, generator: torch.Generator) -> int:
+        """The next token of `row` (its `request`), chosen on the host as Transformers' loop chooses it:
+        the call's processors run on the row's float32 `logits` (`[vocab]`), given the row so far as
+        the loop gives it (the input ids as passed, left padding included, then the new tokens); then
+        the argmax, or a draw from the softmax with the row's `generator`."""
+        try:
+            sequence = torch.cat([self.input_ids[row], torch.tensor(request.tokens, dtype=self.input_ids.dtype)])
+            scores = self.host_processors(sequence[None], logits[None])
+            if self.do_sample:
+                token = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)
+            else:
+                token = scores.argmax(-1)
+        except BaseException as error:  # (the caller's processors: the call raises it)
+            self.failures.append(error)
+            raise
+        self.host_tokens += 1
+        return int(token)
 
     def _on_event(self, row: int, request: Request, event: Event) -> None:
         """After each token of `row`: the streamer gets it, and the host's criteria may end the row."""
@@ -162,8 +200,12 @@ def plan(model: PreTrainedModel, buckets: Buckets, input_ids: torch.Tensor | Non
         generation_config=config, input_ids_seq_length=width, encoder_input_ids=input_ids,
         logits_processor=model_kwargs.get("logits_processor"), device=torch.device("cpu"), model_kwargs={})
     settings = _sampling(processors, config)
-    if isinstance(settings, str):
-        return settings
+    on_host = settings is None
+    if on_host:
+        coupled = sorted({type(p).__name__ for p in processors if isinstance(p, BATCH_PROCESSORS)})
+        if coupled:
+            return f"logits processors reading the whole batch ({', '.join(coupled)})"
+        settings = {}  # (the device's step takes the greedy token, which the host ignores)
     criteria = model._get_stopping_criteria(config, model_kwargs.get("stopping_criteria") or StoppingCriteriaList(),
                                             tokenizer=model_kwargs.get("tokenizer"))
     host_criteria = StoppingCriteriaList(criterion for criterion in criteria
@@ -177,22 +219,36 @@ def plan(model: PreTrainedModel, buckets: Buckets, input_ids: torch.Tensor | Non
         seed = int(torch.randint(2**62, ())) if config.do_sample else None
         rows.append(SamplingSettings(**{**settings, "seed": seed}))
     return EngineCall(input_ids, prompts, new_tokens, rows, eos_ids, pad_id, host_criteria,
-                      model_kwargs.get("streamer"))
+                      model_kwargs.get("streamer"), processors if on_host else None, bool(config.do_sample))
 
 
-def _sampling(processors: LogitsProcessorList, config: GenerationConfig) -> dict[str, Any] | str:
-    """The `SamplingSettings` fields of `processors`, or why the engine's step cannot apply them."""
+def host_processors(model: PreTrainedModel, generation_config: GenerationConfig | None = None) -> list[str]:
+    """The logits processors of a `generate()` call with `generation_config` (default: the model's)
+    that the engine's step does not apply on the device, which make its tokens chosen on the host
+    (every processor of the call then runs there): their class names, empty if none."""
+    config = copy.deepcopy(generation_config or model.generation_config)
+    model._prepare_special_tokens(config, False, device=torch.device("cpu"))
+    processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=1,
+                                             encoder_input_ids=torch.zeros((1, 1), dtype=torch.long),
+                                             device=torch.device("cpu"), model_kwargs={})
+    if _sampling(processors, config) is not None:
+        return []
+    return [type(processor).__name__ for processor in processors]
+
+
+def _sampling(processors: LogitsProcessorList, config: GenerationConfig) -> dict[str, Any] | None:
+    """The `SamplingSettings` fields of `processors`, or None if the engine's step cannot apply them."""
     penalties = [processor for processor in processors if isinstance(processor, RepetitionPenaltyLogitsProcessor)]
     warpers = LogitsProcessorList(processor for processor in processors if processor not in penalties)
     settings: dict[str, Any] = {}
     if penalties:
         if len(penalties) > 1 or processors[0] is not penalties[0] or penalties[0].prompt_ignore_length:
-            return "a repetition penalty other than Transformers' one from the generation config"
+            return None
         settings["repetition_penalty"] = float(penalties[0].penalty)
     if not config.do_sample:
-        return settings if not warpers else f"logits processors {', '.join(type(p).__name__ for p in warpers)}"
+        return settings if not warpers else None
     parameters = SamplingParameters.of(warpers)
     if parameters is None or parameters.min_tokens_to_keep != 1:
-        return f"logits processors {', '.join(type(p).__name__ for p in warpers)}"
+        return None
     return {**settings, "temperature": parameters.temperature, "top_k": parameters.top_k,
             "top_p": parameters.top_p, "min_p": parameters.min_p}

@@ -78,6 +78,10 @@ class Request:
             step's `Event`; the last one has a `finish_reason`.
         eos_token_ids (`set[int]`, *optional*): the tokens that end it (default: the model's
             generation config's).
+        choose (`Callable[[torch.Tensor, torch.Generator], int]`, *optional*): chooses each token on
+            the host, given the row's float32 logits (`[vocab]`) and the request's generator (seeded
+            by `sampling.seed`), for logits processors the device does not apply (a `generate()` call's,
+            see `engine_calls`); `sampling` then stays greedy on the device. Default: the device's token.
     """
 
     prompt: list[int]
@@ -86,6 +90,7 @@ class Request:
     stop: list[str]
     on_event: Callable[[Event], None]
     eos_token_ids: set[int] | None = None
+    choose: Callable[[torch.Tensor, torch.Generator], int] | None = field(default=None, repr=False)
     cancelled: bool = False  # ended: done, failed, or its caller gone
     tokens: list[int] = field(default_factory=list)  # generated so far
     error: BaseException | None = field(default=None, repr=False)  # what failed it, if anything did

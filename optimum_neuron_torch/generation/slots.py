@@ -30,9 +30,10 @@ import inspect
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from transformers import PreTrainedModel, StaticCache
+from transformers import DynamicCache, PreTrainedModel, StaticCache
 from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
 from .. import errors
@@ -43,7 +44,7 @@ from .buckets import Buckets, engine_plan
 from .compiling import COMPILE_CONFIG, QUIET_WHILE_TRACED
 from .requests import NO_PENALTIES, PENALTIES, TAKEN, WARPERS
 from .sampling import penalize, sample
-from .tensor_parallel import StepBroadcast, embeddings_without_padding_index, whole_graphs_reason
+from .tensor_parallel import StepBroadcast, embeddings_without_padding_index, tensor_parallel_mesh, whole_graphs_reason
 
 
 @dataclass
@@ -77,24 +78,25 @@ class SlotLayer(StaticLayer):
         super().__init__(max_cache_len=max_cache_len)
         self.writes = writes
 
-    def allocate(self, slots: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    def allocate(self, slots: int, heads: int, key_width: int, value_width: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         self.slots, self.num_heads, self.dtype, self.device = slots, heads, dtype, device
-        self.k_head_dim = self.v_head_dim = head_dim
-        self.keys = torch.zeros((slots * heads * self.max_cache_len, head_dim), dtype=dtype, device=device)
-        self.values = torch.zeros((slots * heads * self.max_cache_len, head_dim), dtype=dtype, device=device)
+        self.k_head_dim, self.v_head_dim = key_width, value_width
+        self.keys = torch.zeros((slots * heads * self.max_cache_len, key_width), dtype=dtype, device=device)
+        self.values = torch.zeros((slots * heads * self.max_cache_len, value_width), dtype=dtype, device=device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
                **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         writes = self.writes
-        rows, heads, _, head_dim = key_states.shape
+        rows, heads = key_states.shape[:2]
         first = writes.slot if writes.slot is not None else torch.arange(rows, device=key_states.device)
         row_heads = first[:, None] * heads + torch.arange(heads, device=key_states.device)[None, :]  # [rows, heads]
         index = (row_heads[:, :, None] * self.max_cache_len + writes.positions[:, None, :]).reshape(-1)
-        self.keys.index_copy_(0, index, key_states.reshape(-1, head_dim))  # ([rows, heads, tokens] order)
-        self.values.index_copy_(0, index, value_states.reshape(-1, head_dim))
-        keys = self.keys.view(self.slots, heads, self.max_cache_len, head_dim)
-        values = self.values.view(self.slots, heads, self.max_cache_len, head_dim)
+        self.keys.index_copy_(0, index, key_states.reshape(-1, self.k_head_dim))  # ([rows, heads, tokens] order)
+        self.values.index_copy_(0, index, value_states.reshape(-1, self.v_head_dim))
+        keys = self.keys.view(self.slots, heads, self.max_cache_len, self.k_head_dim)
+        values = self.values.view(self.slots, heads, self.max_cache_len, self.v_head_dim)
         if writes.slot is not None:  # a prefill: its slot's row
             keys, values = keys.index_select(0, writes.slot), values.index_select(0, writes.slot)
         else:  # a decode step: the first rows
@@ -150,10 +152,8 @@ class SlotCache(StaticCache):
         self.sliding_window: int | None = config.sliding_window if any(sliding) else None
         self.mixed_layers = any(sliding) and not all(sliding)  # (then the model takes a mask per layer type)
         self.layers = [SlotLayer(max_length, self.writes) for _ in self.layers]
-        num_heads, head_dim = model._get_static_cache_init_shape()
-        for index, layer in enumerate(self.layers):
-            layer.allocate(slots, num_heads[index] if isinstance(num_heads, list) else num_heads,
-                           head_dim[index] if isinstance(head_dim, list) else head_dim, model.dtype, model.device)
+        for layer, shape in zip(self.layers, head_shapes(model, config, self.layers), strict=True):
+            layer.allocate(slots, *shape, model.dtype, model.device)
 
 
 def unsupported_by_slots(model: PreTrainedModel, cache: StaticCache) -> str | None:
@@ -175,10 +175,53 @@ def unsupported_by_slots(model: PreTrainedModel, cache: StaticCache) -> str | No
     return None
 
 
+def early_shape_fits(model: PreTrainedModel, config: Any, init_shape: tuple[Any, Any], layers: list[Any]) -> bool:
+    """Whether the `(num_heads, head_dim)` Transformers reads from the config to initialize a static
+    cache early fits the keys and values the model writes: a `multi_query` config (Falcon,
+    GPTBigCode) keeps one key/value head where Transformers counts the attention heads, and an
+    attention layer whose `k_proj`/`v_proj` is wider or narrower than that (MiMo-V2-Flash: sliding
+    layers with twice the heads, values of their own width) would fail its first cache update."""
+    if getattr(config, "multi_query", False):
+        return False
+    if tensor_parallel_mesh(model) is not None:  # (sharded projections: Transformers' shape is per rank)
+        return True
+    num_heads, head_dim = init_shape
+    for module in model.modules():
+        index = getattr(module, "layer_idx", None)
+        if not isinstance(index, int) or index >= len(layers) or not getattr(layers[index], "supports_early_init",
+                                                                            False):
+            continue
+        heads = num_heads[index] if isinstance(num_heads, list) else num_heads
+        width = head_dim[index] if isinstance(head_dim, list) else head_dim
+        for projection in (getattr(module, "k_proj", None), getattr(module, "v_proj", None)):
+            if isinstance(projection, torch.nn.Linear) and projection.out_features != heads * width:
+                return False
+    return True
+
+
+def head_shapes(model: PreTrainedModel, config: Any, layers: list[Any]) -> list[tuple[int, int, int]]:
+    """Per cache layer, the `(heads, key width, value width)` of the keys and values the model
+    writes: those Transformers reads from the config when they fit (`early_shape_fits`), else those
+    of one eager step of one token into Transformers' dynamic cache (multi-query attention, layers with
+    heads or value widths of their own)."""
+    init_shape = model._get_static_cache_init_shape()
+    if init_shape is not None and early_shape_fits(model, config, init_shape, layers):
+        num_heads, head_dim = init_shape
+        return [(num_heads[index] if isinstance(num_heads, list) else num_heads,
+                 *(2 * [head_dim[index] if isinstance(head_dim, list) else head_dim])) for index in range(len(layers))]
+    cache = DynamicCache(config=config)
+    ids = torch.zeros((1, 1), dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        model(input_ids=ids, position_ids=ids, cache=cache, use_cache=True)
+    return [(layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1]) for layer in cache.layers]
+
+
 def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor, positions: torch.Tensor,
-              last: torch.Tensor, sampling: torch.Tensor, uniform: torch.Tensor, sampled: bool) -> torch.Tensor:
+              last: torch.Tensor, sampling: torch.Tensor, uniform: torch.Tensor, sampled: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """What gets compiled: one step of the slots in `cache.writes` (a prefill or a decode step, see
-    the module's docstring), returning the token chosen for each row.
+    the module's docstring), returning the token chosen for each row, and the logits it was chosen
+    from (before the penalties), which stay on the device unless the host chooses a row's token.
 
     Args:
         input_ids (`torch.Tensor`): int64 `[rows, tokens]`.
@@ -194,7 +237,8 @@ def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor,
             step of SmolLM2 at batch 8).
 
     Returns:
-        `torch.Tensor`: int64 `[rows]`.
+        `tuple[torch.Tensor, torch.Tensor]`: the tokens, int64 `[rows]`, and the logits of the
+        position that chose them, `[rows, vocab]` in the model's dtype.
     """
     keys = torch.arange(cache.writes.context, device=positions.device)[None, None, None, :]
     queries = positions[:, None, :, None]
@@ -208,18 +252,18 @@ def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor,
     logits = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
                    logits_to_keep=last).logits[:, -1]
     if not sampled:
-        return logits.argmax(-1)
+        return logits.argmax(-1), logits
     prefill = cache.writes.slot is not None
     rows = cache.writes.slot if prefill else torch.arange(input_ids.shape[0], device=input_ids.device)
     seen, counts = cache.tokens.read(rows, input_ids, positions, last, prefill)
-    logits = penalize(logits, sampling[:, PENALTIES], seen, counts)
+    penalized = penalize(logits, sampling[:, PENALTIES], seen, counts)
     greedy = sampling[:, 0] == 0
     # (a greedy row samples at temperature 1, which keeps its arithmetic finite, and takes the argmax)
     warpers = sampling[:, WARPERS]
     parameters = torch.cat([torch.where(greedy, 1.0, warpers[:, 0])[:, None], warpers[:, 1:]], dim=1)
-    tokens = torch.where(greedy, logits.argmax(-1), sample(logits, parameters, uniform))
+    tokens = torch.where(greedy, penalized.argmax(-1), sample(penalized, parameters, uniform))
     cache.tokens.update(rows, seen, counts, tokens, sampling[:, TAKEN])
-    return tokens
+    return tokens, logits
 
 
 def _as_attention_takes(mask: torch.Tensor, model: PreTrainedModel) -> torch.Tensor:
@@ -271,15 +315,17 @@ class SlotSteps:
             self.cache_keys |= keys
 
     def forward(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
-                uniform: list[float], sampling: list[list[float]], slot: int | None = None) -> torch.Tensor:
+                uniform: list[float], sampling: list[list[float]], slot: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """One step (a prefill piece into `slot`, or a decode step of the first slots, see `slot_step`),
-        sent to the other ranks first if split; the chosen tokens, on the host."""
+        sent to the other ranks first if split: the chosen tokens, on the host, and the logits they
+        were chosen from, on the device."""
         if self.broadcast is not None:
             self.broadcast.send((ids, positions, last, context, uniform, sampling, slot))
         return self.run(ids, positions, last, context, uniform, sampling, slot)
 
     def run(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
-            uniform: list[float], sampling: list[list[float]], slot: int | None) -> torch.Tensor:
+            uniform: list[float], sampling: list[list[float]], slot: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """One step on this rank. A prefill always runs the graph that can sample (one row: it costs
         little); a decode step, only if a row samples or has penalties."""
         device = self.model.device
@@ -291,8 +337,9 @@ class SlotSteps:
         sampled = slot is not None or any(row[0] > 0 or row[PENALTIES] != NO_PENALTIES for row in sampling)
         try:
             with packed_attention(self.model):
-                return self.step(self.model, self.cache, torch.tensor(ids, device=device), positions_tensor,
-                                 torch.tensor([last], device=device), torch.tensor(sampling, device=device),
-                                 torch.tensor(uniform, dtype=torch.float32, device=device), sampled).cpu()
+                tokens, logits = self.step(self.model, self.cache, torch.tensor(ids, device=device), positions_tensor,
+                                           torch.tensor([last], device=device), torch.tensor(sampling, device=device),
+                                           torch.tensor(uniform, dtype=torch.float32, device=device), sampled)
+            return tokens.cpu(), logits
         finally:  # (between steps the device holds the cache only)
             writes.positions = writes.slot = None

@@ -1,0 +1,131 @@
+"""Logits processors the engine's step does not apply on the device run on the host, per row, on the
+same engine and graphs: Transformers' tokens, counted, and reported by `check()`."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LogitsProcessor, LogitsProcessorList
+
+import optimum_neuron_torch as ont
+from optimum_neuron_torch.generation import Buckets, enable_compiled_generation
+from tiny_models import TINY_MODELS, VOCAB
+
+BUCKETS = Buckets(batch_sizes=(1, 4), prompt_buckets=(8, 16), max_length=64)
+
+
+class EvenTokensOnly(LogitsProcessor):
+    """A caller's own processor: odd token ids are never chosen."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        return scores.index_fill(-1, torch.arange(1, scores.shape[-1], 2), float("-inf"))
+
+
+class FailsAtThirdToken(LogitsProcessor):
+    def __init__(self, width: int) -> None:
+        self.width = width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[-1] >= self.width + 2:
+            raise ValueError("the caller's processor failed")
+        return scores
+
+
+@pytest.fixture(scope="module")
+def llama():
+    torch._dynamo.reset()
+    cpu = TINY_MODELS["llama"].build()
+    return cpu, enable_compiled_generation(copy.deepcopy(cpu).to("neuron"), BUCKETS)
+
+
+def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Three left-padded prompts of 5, 9 and 3 tokens."""
+    generator = torch.Generator().manual_seed(3)
+    ids, mask = torch.zeros((3, 9), dtype=torch.long), torch.zeros((3, 9), dtype=torch.long)
+    for row, length in enumerate((5, 9, 3)):
+        ids[row, 9 - length:] = torch.randint(4, VOCAB, (length,), generator=generator)
+        mask[row, 9 - length:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("settings", [
+    dict(no_repeat_ngram_size=2),
+    # (holds back an end-of-sequence token greedy search takes first in the first row; Transformers counts
+    # the new tokens from the padded width: the host's processors get the rows with their padding)
+    dict(min_new_tokens=5, eos_token_id=126, pad_token_id=0),
+    dict(bad_words_ids=[[7], [9, 11]], repetition_penalty=1.3),  # (the penalty runs on the host with them)
+    dict(logits_processor=LogitsProcessorList([EvenTokensOnly()])),
+], ids=["no_repeat_ngram", "min_new_tokens", "bad_words_and_penalty", "callers_processor"])
+def test_greedy_tokens_with_host_processors_match_transformers_on_cpu(llama, settings):
+    cpu, model = llama
+    ids, mask = padded_batch()
+    generation = model.neuron_generation
+    engine, steps = generation.engine, generation.engine.steps
+    chosen = generation.host_choices.copy()
+    generated = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, **settings)
+    expected = cpu.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, **settings)
+    assert generated.tolist() == expected.tolist()
+    # (on the engine's steps: each token of each row chosen on the host, the first ones after the prefills)
+    assert engine.steps > steps and generation.engine is engine
+    eos = settings.get("eos_token_id", cpu.generation_config.eos_token_id)
+    counted = generation.host_choices - chosen
+    assert set(counted.values()) == {new_tokens(generated, 9, eos)}
+    if "logits_processor" in settings:
+        assert (generated[:, 9:] % 2 == 0).all()
+
+
+def new_tokens(sequences: torch.Tensor, width: int, eos: int) -> int:
+    """How many tokens the rows generated: up to their end-of-sequence token, or all."""
+    total = 0
+    for row in sequences[:, width:].tolist():
+        total += row.index(eos) + 1 if eos in row else len(row)
+    return total
+
+
+def test_sampling_with_a_host_processor_is_seeded_per_row(llama):
+    """Sampled on the host from the row's own generator: a seed draws the same sequences, another
+    seed others, a row alone draws what it draws in a batch, and no odd token comes out."""
+    _, model = llama
+    ids, mask = padded_batch()
+    settings = dict(do_sample=True, top_k=20, max_new_tokens=10, eos_token_id=None,
+                    logits_processor=LogitsProcessorList([EvenTokensOnly()]))
+    runs = []
+    for seed in (1, 1, 2):
+        torch.manual_seed(seed)
+        runs.append(model.generate(ids, attention_mask=mask, **settings))
+    assert runs[0].tolist() == runs[1].tolist() != runs[2].tolist()
+    assert (runs[0][:, 9:] % 2 == 0).all()
+    torch.manual_seed(1)
+    alone = model.generate(ids[:1, 4:], **settings)
+    assert alone[0, 5:].tolist() == runs[0][0, 9:].tolist()
+
+
+def test_a_failing_host_processor_fails_its_call_and_the_engine_goes_on(llama):
+    cpu, model = llama
+    ids, mask = padded_batch()
+    with pytest.raises(ValueError, match="the caller's processor failed"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                       logits_processor=LogitsProcessorList([FailsAtThirdToken(ids.shape[1])]))
+    generation = model.neuron_generation
+    assert generation.engine_gap is None and generation.engine.busy_slots == 0
+    generated = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, no_repeat_ngram_size=2)
+    expected = cpu.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, no_repeat_ngram_size=2)
+    assert generated.tolist() == expected.tolist()
+
+
+def test_check_names_the_processors_the_host_runs_and_counts_their_tokens(llama):
+    _, model = llama
+    model.generation_config.no_repeat_ngram_size = 3
+    try:
+        model.generate(padded_batch()[0][:1, 4:], max_new_tokens=4, do_sample=False)
+        report = ont.check(model, compile=False)
+    finally:
+        model.generation_config.no_repeat_ngram_size = None
+    text = report.render()
+    assert "NoRepeatNGramLogitsProcessor" in report.host_processors[0]
+    assert any(line.startswith("NoRepeatNGramLogitsProcessor: ") and "token(s) chosen on the host" in line
+               for line in report.host_processors)
+    assert "Generation: logits processors run on the host" in text
+    assert not ont.check(model, compile=False).host_processors[0].startswith("the generation config")
