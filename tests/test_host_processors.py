@@ -4,10 +4,11 @@ same engine and graphs: Transformers' tokens, counted, and reported by `check()`
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 
 import optimum_neuron_torch as ont
 from optimum_neuron_torch.generation import Buckets, enable_compiled_generation
@@ -40,27 +41,32 @@ def llama():
     return cpu, enable_compiled_generation(copy.deepcopy(cpu).to("neuron"), BUCKETS)
 
 
-def padded_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """Three left-padded prompts of 5, 9 and 3 tokens."""
+def padded_batch(pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three prompts of 5, 9 and 3 tokens, left-padded with `pad`."""
     generator = torch.Generator().manual_seed(3)
-    ids, mask = torch.zeros((3, 9), dtype=torch.long), torch.zeros((3, 9), dtype=torch.long)
+    ids, mask = torch.full((3, 9), pad, dtype=torch.long), torch.zeros((3, 9), dtype=torch.long)
     for row, length in enumerate((5, 9, 3)):
         ids[row, 9 - length:] = torch.randint(4, VOCAB, (length,), generator=generator)
         mask[row, 9 - length:] = 1
     return ids, mask
 
 
+# (126: the token greedy search takes first in the first row)
 @pytest.mark.parametrize("settings", [
     dict(no_repeat_ngram_size=2),
-    # (holds back an end-of-sequence token greedy search takes first in the first row; Transformers counts
-    # the new tokens from the padded width: the host's processors get the rows with their padding)
+    # (holds the end-of-sequence token back; Transformers counts the new tokens from the padded width: the
+    # host's processors get the rows with their padding)
     dict(min_new_tokens=5, eos_token_id=126, pad_token_id=0),
-    dict(bad_words_ids=[[7], [9, 11]], repetition_penalty=1.3),  # (the penalty runs on the host with them)
+    # (the penalty runs on the host with them; Transformers' skips the padding, here of the token 126)
+    dict(bad_words_ids=[[7], [9, 11]], repetition_penalty=1.3, pad=126),
     dict(logits_processor=LogitsProcessorList([EvenTokensOnly()])),
-], ids=["no_repeat_ngram", "min_new_tokens", "bad_words_and_penalty", "callers_processor"])
+    # (a caller's own penalty reads the padding, which the device's would not: it runs on the host)
+    dict(logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5)]), pad=126),
+], ids=["no_repeat_ngram", "min_new_tokens", "bad_words_and_penalty", "callers_processor", "callers_penalty"])
 def test_greedy_tokens_with_host_processors_match_transformers_on_cpu(llama, settings):
     cpu, model = llama
-    ids, mask = padded_batch()
+    settings = dict(settings)
+    ids, mask = padded_batch(settings.pop("pad", 0))
     generation = model.neuron_generation
     engine, steps = generation.engine, generation.engine.steps
     chosen = generation.host_choices.copy()
@@ -72,7 +78,7 @@ def test_greedy_tokens_with_host_processors_match_transformers_on_cpu(llama, set
     eos = settings.get("eos_token_id", cpu.generation_config.eos_token_id)
     counted = generation.host_choices - chosen
     assert set(counted.values()) == {new_tokens(generated, 9, eos)}
-    if "logits_processor" in settings:
+    if any(isinstance(processor, EvenTokensOnly) for processor in settings.get("logits_processor", [])):
         assert (generated[:, 9:] % 2 == 0).all()
 
 
@@ -102,6 +108,22 @@ def test_sampling_with_a_host_processor_is_seeded_per_row(llama):
     assert alone[0, 5:].tolist() == runs[0][0, 9:].tolist()
 
 
+def test_sampling_on_the_host_draws_what_transformers_draws_with_the_row_s_seed(llama):
+    """A row samples on the host as Transformers' loop does (the warpers, then one multinomial draw a
+    token), from a generator seeded with the row's seed: Transformers on the CPU, its global generator
+    seeded with that seed, draws the same tokens."""
+    cpu, model = llama
+    ids = padded_batch()[0][:1, 4:]
+    settings = dict(do_sample=True, temperature=0.9, top_k=12, top_p=0.95, no_repeat_ngram_size=2,
+                    max_new_tokens=12, eos_token_id=None)
+    torch.manual_seed(5)
+    seed = int(torch.randint(2**62, ()))  # (the row's seed, as `engine_calls.plan` draws it)
+    torch.manual_seed(5)
+    generated = model.generate(ids, **settings)
+    torch.manual_seed(seed)
+    assert generated.tolist() == cpu.generate(ids, **settings).tolist()
+
+
 def test_a_failing_host_processor_fails_its_call_and_the_engine_goes_on(llama):
     cpu, model = llama
     ids, mask = padded_batch()
@@ -129,3 +151,41 @@ def test_check_names_the_processors_the_host_runs_and_counts_their_tokens(llama)
                for line in report.host_processors)
     assert "Generation: logits processors run on the host" in text
     assert not ont.check(model, compile=False).host_processors[0].startswith("the generation config")
+
+
+def test_threads_mixing_host_and_device_choices_share_steps_and_get_what_each_gets_alone(llama):
+    """Three threads at once, a prompt each: plain greedy search (chosen on the device), a caller's
+    processor that fails at its third token, and `no_repeat_ngram_size` (both on the host): their rows
+    share decode steps; the failing call raises its own error, the others get the CPU's tokens, on the
+    engine still."""
+    cpu, model = llama
+    ids, _ = padded_batch()
+    prompts = [ids[0:1, 4:], ids[1:2], ids[2:3, 6:]]
+    settings = [dict(), dict(logits_processor=LogitsProcessorList([FailsAtThirdToken(prompts[1].shape[1])])),
+                dict(no_repeat_ngram_size=2)]
+    expected = {index: cpu.generate(prompts[index], max_new_tokens=10, do_sample=False, **settings[index]).tolist()
+                for index in (0, 2)}
+    engine = model.neuron_generation.engine
+    steps = engine.steps
+    for index in (0, 2):  # (alone, one after the other)
+        model.generate(prompts[index], max_new_tokens=10, do_sample=False, **settings[index])
+    alone, steps = engine.steps - steps, engine.steps
+    start, answers = threading.Barrier(3), {}
+
+    def call(index: int) -> None:
+        start.wait()
+        try:
+            answers[index] = model.generate(prompts[index], max_new_tokens=10, do_sample=False,
+                                            **settings[index]).tolist()
+        except ValueError as error:
+            answers[index] = str(error)
+
+    threads = [threading.Thread(target=call, args=(index,)) for index in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert answers == {**expected, 1: "the caller's processor failed"}
+    # (the rows of the calls that run to their end share steps: fewer than alone, one call after the other)
+    assert engine.steps - steps < alone and engine.busy_slots == 0
+    assert model.neuron_generation.engine_gap is None  # (no call left the engine for compiled generation's graphs)

@@ -144,6 +144,7 @@ class CompiledGeneration:
         self._engine: GenerationEngine | None = None
         # Tokens the engine chose on the host, by logits processor that made it (see `engine_calls`).
         self.host_choices: collections.Counter[str] = collections.Counter()
+        self._counting = threading.Lock()  # (calls from several threads count at once)
 
     @functools.cached_property
     def engine_gap(self) -> str | None:
@@ -381,6 +382,12 @@ class CompiledGeneration:
         """Transformers' `generate()` on the generation engine (see `engine_calls`), else on bucketed
         shapes and compiled graphs, or unchanged (eager) for what those cannot serve. Calls from
         several threads share the engine's steps; on the compiled graphs, they run one after the other."""
+        # (a split model's ranks must run the same steps: its calls, one at a time, each with all its rows)
+        with self._one_call if tensor_parallel_mesh(self.model) is not None else contextlib.nullcontext():
+            return self._generate_call(transformers_generate, inputs, generation_config, **kwargs)
+
+    def _generate_call(self, transformers_generate: Callable[..., Any], inputs: torch.Tensor | None = None,
+                       generation_config: GenerationConfig | None = None, **kwargs: Any) -> Any:
         call = self._engine_call(inputs, generation_config, kwargs)
         if call is not None:
             try:
@@ -398,8 +405,9 @@ class CompiledGeneration:
                 return sequences.to(inputs.device if inputs is not None else kwargs["input_ids"].device)
             finally:
                 self.cache_keys |= self.engine.cache_keys if self._engine is not None else set()
-                for processor in call.host_processors or ():
-                    self.host_choices[type(processor).__name__] += call.host_tokens
+                names = {type(p).__name__ for p in call.host_processors[0]} if call.host_processors else set()
+                with self._counting:
+                    self.host_choices.update(dict.fromkeys(names, call.host_tokens))
         with self._one_call:
             return self._generate(transformers_generate, inputs, generation_config, **kwargs)
 

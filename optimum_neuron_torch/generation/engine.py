@@ -1,5 +1,4 @@
-"""In-flight batching on compiled graphs of fixed shapes: the engine behind `generate()` and the
-server.
+"""In-flight batching on compiled graphs of fixed shapes: the engine behind `generate()` and the server.
 
 One thread at a time runs the device: the server's main thread (`run`), or a thread whose
 `generate()` waits for its requests (`complete`). The engine holds a decode slot per row of its
@@ -410,7 +409,8 @@ class GenerationEngine:
         final = end == len(request.prompt)  # (only its token is taken: only it draws a random number)
         tokens, logits = self.device.forward([ids], [list(range(start, start + length))], end - 1 - start, context,
                                              [self._uniform(request) if final else 0.0],
-                                             [request.sampling.row(taken=final)], slot=request._slot)
+                                             [request.sampling.row(taken=final and request.choose is None)],
+                                             slot=request._slot)
         request._prefilled = end
         if final:
             self._take(request, self._chosen(request, int(tokens[0]), logits[0]))
@@ -438,18 +438,14 @@ class GenerationEngine:
             if request is None or request.cancelled:
                 continue
             try:
-                token = self._chosen(request, token, logits[row])
+                self._take(request, self._chosen(request, token, logits[row]))
             except Exception as error:  # (its own processors': it fails alone, the others take their tokens)
-                self._fail([request], error, "choosing its token on the host")
-                continue
-            self._take(request, token)
+                self._fail([request], error, "taking its token")
 
-    def _chosen(self, request: Request, token: int, logits: torch.Tensor) -> int:
-        """`request`'s next token: the device's `token`, or, for a request that chooses on the host,
-        its choice from the row's `logits` (read from the device, as float32)."""
-        if request.choose is None:
-            return token
-        return request.choose(logits.to("cpu", torch.float32), request._generator)
+    @staticmethod
+    def _chosen(request: Request, token: int, logits: torch.Tensor) -> int:
+        """`request`'s next token: the device's `token`, or its choice on the host (`Request.choose`)."""
+        return token if request.choose is None else request.choose(logits.to("cpu", torch.float32), request._generator)
 
     @staticmethod
     def _uniform(request: Request) -> float:

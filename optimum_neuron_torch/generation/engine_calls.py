@@ -9,14 +9,15 @@ What a call keeps of Transformers' `generate()`:
   device, when they are the temperature, top-k, top-p and min-p warpers and the repetition penalty;
   a call with any other processor (`min_new_tokens`, `no_repeat_ngram_size`, `bad_words_ids`, the
   caller's own...) has its tokens chosen on the host instead: each step reads the row's logits
-  (float32, as Transformers' loop reads them), runs every processor of the call on them, given the
+  (float32, as Transformers' loop reads them), runs the row's processors on them (CPU tensors, as
+  compiled generation gives them; built per row as Transformers builds them for the batch), given the
   row as Transformers' loop gives it (its left padding included), and takes the argmax or draws from
   the softmax with the row's own generator (`EngineCall.choose`), which the call counts
   (`host_tokens`); processors that read other rows of the batch (classifier-free guidance, a
   `prefix_allowed_tokens_fn`) run on the compiled path of `compiled_generation` instead;
 - the new-token budget and the end-of-sequence tokens stop a row in the engine; the other stopping
   criteria (stop strings, `max_time`, the caller's) run on the host after each token of the row,
-  given the row's sequence so far (`[1, length]`) and no scores (the logits stay on the device);
+  given the row's sequence so far (`[1, length]`) and no scores;
 - a streamer gets the prompt, then each token as it comes (one row, as Transformers' streamers take);
 - the output is the input ids as given, then each row's new tokens, padded with the pad token to
   the longest, as Transformers returns them.
@@ -36,8 +37,10 @@ from transformers.generation import (
     GenerationMode,
     LogitsProcessorList,
     MaxLengthCriteria,
+    PrefixConstrainedLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     StoppingCriteriaList,
+    SynthIDTextWatermarkLogitsProcessor,
     UnbatchedClassifierFreeGuidanceLogitsProcessor,
 )
 
@@ -49,8 +52,10 @@ from .sampling import SamplingParameters
 
 # The arguments of generate() besides the generation config's fields that a call on the engine takes.
 ENGINE_KWARGS = {"attention_mask", "streamer", "tokenizer", "stopping_criteria", "logits_processor", "use_cache"}
-# Logits processors that read a row with the others of its batch, or run the model themselves: not per row.
-BATCH_PROCESSORS = (ClassifierFreeGuidanceLogitsProcessor, UnbatchedClassifierFreeGuidanceLogitsProcessor)
+# Logits processors that read a row with the others of its batch (or its index in it), keep one state for
+# the batch, or run the model themselves: not per row.
+BATCH_PROCESSORS = (ClassifierFreeGuidanceLogitsProcessor, UnbatchedClassifierFreeGuidanceLogitsProcessor,
+                    PrefixConstrainedLogitsProcessor, SynthIDTextWatermarkLogitsProcessor)
 
 
 @dataclass
@@ -67,8 +72,8 @@ class EngineCall:
         pad_token_id (`int`): what fills a row that ended before the longest.
         criteria (`StoppingCriteriaList`): the stopping criteria that run on the host.
         streamer (`Any`): Transformers' streamer, or None.
-        host_processors (`LogitsProcessorList`, *optional*): the call's logits processors when the
-            device cannot apply them: each token is then chosen on the host (see `choose`).
+        host_processors (`list[LogitsProcessorList]`, *optional*): each row's logits processors, when
+            the device cannot apply them: each token is then chosen on the host (see `choose`).
         do_sample (`bool`): whether the host draws the tokens it chooses (else takes the argmax).
     """
 
@@ -80,10 +85,12 @@ class EngineCall:
     pad_token_id: int
     criteria: StoppingCriteriaList
     streamer: Any = None
-    host_processors: LogitsProcessorList | None = None
+    host_processors: list[LogitsProcessorList] | None = None
     do_sample: bool = False
     host_tokens: int = 0  # tokens chosen on the host so far
-    failures: list[BaseException] = field(default_factory=list, repr=False)
+    failures: list[BaseException] = field(default_factory=list, repr=False)  # the caller's code's (see `_failed`)
+    _requests: list[Request] = field(default_factory=list, repr=False)
+    _traceback: Any = field(default=None, repr=False)  # the first failure's (the engine strips what it keeps)
 
     def run(self, engine: GenerationEngine) -> torch.Tensor:
         """Runs the call's requests on `engine` until each ends; the sequences, as Transformers'
@@ -94,9 +101,9 @@ class EngineCall:
         """
         if self.streamer is not None:
             self.streamer.put(self.input_ids)
-        requests = [Request(prompt, self.max_new_tokens, sampling, [], lambda event: None,
-                            eos_token_ids=self.eos_token_ids)
-                    for prompt, sampling in zip(self.prompts, self.sampling, strict=True)]
+        self._requests = requests = [Request(prompt, self.max_new_tokens, sampling, [], lambda event: None,
+                                             eos_token_ids=self.eos_token_ids)
+                                     for prompt, sampling in zip(self.prompts, self.sampling, strict=True)]
         for row, request in enumerate(requests):  # (events come from the one thread running the engine)
             request.on_event = lambda event, row=row, request=request: self._on_event(row, request, event)
             if self.host_processors is not None:
@@ -104,8 +111,10 @@ class EngineCall:
                     row, request, logits, generator)
         engine.complete(requests)
         failure = next((request.error for request in requests if request.error is not None), None)
-        if self.failures or failure is not None:
-            raise self.failures[0] if self.failures else failure
+        if self.failures:
+            raise self.failures[0].with_traceback(self._traceback)
+        if failure is not None:
+            raise failure
         if self.streamer is not None:
             self.streamer.end()
         width = max(len(request.tokens) for request in requests)
@@ -121,20 +130,31 @@ class EngineCall:
         the argmax, or a draw from the softmax with the row's `generator`."""
         try:
             sequence = torch.cat([self.input_ids[row], torch.tensor(request.tokens, dtype=self.input_ids.dtype)])
-            scores = self.host_processors(sequence[None], logits[None])
+            scores = self.host_processors[row](sequence[None], logits[None])
             if self.do_sample:
                 token = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)
             else:
                 token = scores.argmax(-1)
         except BaseException as error:  # (the caller's processors: the call raises it)
-            self.failures.append(error)
+            self._failed(error)
             raise
         self.host_tokens += 1
         return int(token)
 
+    def _failed(self, error: BaseException) -> None:
+        """The caller's code (a processor, a criterion, the streamer) raised `error`: the call raises it,
+        and its other rows end now rather than run to their last token."""
+        if not self.failures:
+            self._traceback = error.__traceback__
+        self.failures.append(error)
+        for request in self._requests:
+            request.cancelled = True
+
     def _on_event(self, row: int, request: Request, event: Event) -> None:
         """After each token of `row`: the streamer gets it, and the host's criteria may end the row."""
-        if event.finish_reason == "error":
+        if event.finish_reason == "error":  # (the engine failed the row: the call raises it, its other rows end)
+            for other in self._requests:
+                other.cancelled = True
             return
         try:
             if self.streamer is not None:
@@ -144,7 +164,7 @@ class EngineCall:
                 if bool(self.criteria(sequence, None).any()):
                     request.cancelled = True  # (done: it leaves its slot)
         except BaseException as error:
-            self.failures.append(error)
+            self._failed(error)
             raise
 
 
@@ -196,15 +216,17 @@ def plan(model: PreTrainedModel, buckets: Buckets, input_ids: torch.Tensor | Non
         return (f"{longest + new_tokens} positions (a prompt of {longest} tokens, {new_tokens} new tokens) where "
                 f"the engine's cache holds {buckets.max_length}")
     model._prepare_special_tokens(config, "attention_mask" in model_kwargs, device=torch.device("cpu"))
-    processors = model._get_logits_processor(
-        generation_config=config, input_ids_seq_length=width, encoder_input_ids=input_ids,
-        logits_processor=model_kwargs.get("logits_processor"), device=torch.device("cpu"), model_kwargs={})
-    settings = _sampling(processors, config)
+    # (each row's own processors, as Transformers builds them for the batch: the row's ids and mask)
+    processors = [model._get_logits_processor(
+        generation_config=config, input_ids_seq_length=width, encoder_input_ids=input_ids[row:row + 1],
+        logits_processor=model_kwargs.get("logits_processor"), device=torch.device("cpu"),
+        model_kwargs={"attention_mask": mask[row:row + 1]}) for row in range(input_ids.shape[0])]
+    coupled = sorted({type(p).__name__ for p in processors[0] if isinstance(p, BATCH_PROCESSORS)})
+    if coupled:
+        return f"logits processors reading the whole batch ({', '.join(coupled)})"
+    settings = _sampling(processors[0], config, padded=bool((mask == 0).any()))
     on_host = settings is None
     if on_host:
-        coupled = sorted({type(p).__name__ for p in processors if isinstance(p, BATCH_PROCESSORS)})
-        if coupled:
-            return f"logits processors reading the whole batch ({', '.join(coupled)})"
         settings = {}  # (the device's step takes the greedy token, which the host ignores)
     criteria = model._get_stopping_criteria(config, model_kwargs.get("stopping_criteria") or StoppingCriteriaList(),
                                             tokenizer=model_kwargs.get("tokenizer"))
@@ -231,18 +253,22 @@ def host_processors(model: PreTrainedModel, generation_config: GenerationConfig 
     processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=1,
                                              encoder_input_ids=torch.zeros((1, 1), dtype=torch.long),
                                              device=torch.device("cpu"), model_kwargs={})
-    if _sampling(processors, config) is not None:
-        return []
+    if _sampling(processors, config) is not None or any(isinstance(p, BATCH_PROCESSORS) for p in processors):
+        return []  # (on the device, or on compiled generation's graphs)
     return [type(processor).__name__ for processor in processors]
 
 
-def _sampling(processors: LogitsProcessorList, config: GenerationConfig) -> dict[str, Any] | None:
-    """The `SamplingSettings` fields of `processors`, or None if the engine's step cannot apply them."""
+def _sampling(processors: LogitsProcessorList, config: GenerationConfig, padded: bool = False
+              ) -> dict[str, Any] | None:
+    """The `SamplingSettings` fields of `processors`, or None if the engine's step cannot apply them.
+    The step's repetition penalty reads the prompt without its padding: Transformers' does when it
+    knows the mask (`prompt_ignore_length`), a caller's own does not, unless no row is `padded`."""
     penalties = [processor for processor in processors if isinstance(processor, RepetitionPenaltyLogitsProcessor)]
     warpers = LogitsProcessorList(processor for processor in processors if processor not in penalties)
     settings: dict[str, Any] = {}
     if penalties:
-        if len(penalties) > 1 or processors[0] is not penalties[0] or penalties[0].prompt_ignore_length:
+        if (len(penalties) > 1 or processors[0] is not penalties[0]
+                or (padded and penalties[0].prompt_ignore_length is None)):
             return None
         settings["repetition_penalty"] = float(penalties[0].penalty)
     if not config.do_sample:

@@ -15,6 +15,9 @@ Two kinds of step run on it, each a compiled graph of fixed shapes (see `slot_st
   position, attending over the first `context` positions of the cache (a context bucket); it
   returns the next token of each slot.
 
+Each also returns the logits the tokens were chosen from, which stay on the device unless a row's
+token is chosen on the host (`Request.choose`).
+
 With the KV cache, each slot keeps what the penalties read (`TokenCounts`): which tokens its prompt
 and answer hold, and how many times each was generated, updated by the steps that sample.
 
