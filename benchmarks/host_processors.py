@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """`generate()` with a logits processor the device does not apply (`no_repeat_ngram_size`): its
 tokens chosen on the host on the generation engine, against the compiled-graph path they
-took before (`compiled_generation`), against the same call with processors the device applies, and
+took before (the static graphs of `static_graphs`), against the same call with processors the device applies, and
 the physical limit, in one run.
 
 The default model (SmolLM2-135M-Instruct, float32, vocabulary 49152), default buckets, greedy, a
@@ -12,13 +12,15 @@ the next); and the device-to-host bytes a decode step moves (the reference devic
 - `engine, on the device`: plain greedy search (the step's argmax, 8 bytes a row back);
 - `engine, on the host`: with `no_repeat_ngram_size=3`: each step reads the rows' logits (4 x 49152
   bytes a row) and runs Transformers' processor on each row;
-- `compiled graphs (before)`: the same call on `compiled_generation`'s graphs, where such calls ran
+- `compiled graphs (before)`: the same call on the static graphs (`static_graphs`), where such calls ran
   until now (Transformers' loop on the host, its logits read each step).
+With `--scores`, the host variants ask for the scores of each step instead (`return_dict_in_generate=True,
+output_scores=True`), which the engine serves by choosing on the host (and the static graphs served before).
 The limit: the bytes a decode step reads (the weights, the KV cache of the context bucket, and the
 logits crossing to the host) at the read bandwidth measured in the same run (`x.sum()` of 1 GiB).
 
 Usage:
-    python benchmarks/host_processors.py [--threads 2] [--rounds 3]
+    python benchmarks/host_processors.py [--threads 2] [--rounds 3] [--scores]
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--scores", action="store_true", help="the host variants return each step's scores")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -56,7 +59,7 @@ def main() -> None:
     def run(variant: str, ids: torch.Tensor, new_tokens: int) -> float:
         settings = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
         if variant != VARIANTS[0]:
-            settings.update(ON_HOST)
+            settings.update(dict(return_dict_in_generate=True, output_scores=True) if args.scores else ON_HOST)
         generation.engine_gap = "benchmark: the compiled graphs" if variant == VARIANTS[2] else None
         start = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), **settings)
@@ -81,7 +84,7 @@ def main() -> None:
 
     buckets, context = default_buckets(folder)
     print(f"read bandwidth {bandwidth:.1f} GB/s ({args.threads} threads); context bucket {context}; "
-          f"{args.rounds} rounds")
+          f"{args.rounds} rounds; host variants: {'output_scores' if args.scores else 'no_repeat_ngram_size=3'}")
     print("| batch | variant | decode tokens/s per sequence | device-to-host bytes a step | vs on the device "
           "| limit (tokens/s) | of the limit |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

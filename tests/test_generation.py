@@ -210,7 +210,7 @@ def test_padded_batch_matches_one_by_one(llama):
 def test_greedy_steps_and_a_repetition_penalty_move_the_chosen_tokens_only(llama):
     """Greedy search, with or without Transformers' repetition penalty (applied in the step, from the
     token counts of each slot), moves each step's chosen tokens to the host, 8 bytes a row, never
-    the logits; asked for scores, the logits cross (on compiled generation's graphs). All give
+    the logits; asked for scores, the logits cross (and the host chooses). All give
     Transformers' tokens (and scores)."""
     cpu, model = llama
     # (prompts whose greedy tokens change along the sequence, to a larger token id and to a smaller)
@@ -345,6 +345,24 @@ def test_beam_search_falls_back_to_eager_with_one_warning(llama):
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         model.generate(ids.to("neuron"), **settings)  # warned once only
+
+
+def test_a_call_the_engine_refuses_runs_eagerly_and_compiles_no_second_graph_set(llama):
+    """A call of a model the engine serves that the engine refuses (here a right-padded mask) runs
+    Transformers' eager generate(), with one warning that says why, rather than compiling the static
+    graphs as well: one model, one graph set. Its tokens are Transformers'."""
+    cpu, model = llama
+    ids, mask = prompt(6, batch=2, seed=4), torch.ones((2, 6), dtype=torch.long)
+    mask[1, 4:] = 0
+    settings = dict(attention_mask=mask, max_new_tokens=4, **GREEDY)
+    generation = model.neuron_generation
+    with pytest.warns(UserWarning, match="an attention mask other than left padding does not run on the compiled"):
+        generated = model.generate(ids, **settings)
+    assert generated.tolist() == cpu.generate(ids, **settings).tolist()
+    assert not generation.static.cache_keys and not generation.static._caches
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.generate(ids, **settings)  # warned once only
 
 
 def test_too_long_generation_falls_back_and_says_how_to_fix(llama):
@@ -526,9 +544,9 @@ def test_a_decoder_numbering_positions_by_cache_slot_keeps_its_prompt_length(fre
                  id="mimo_v2_flash", marks=pytest.mark.slow),
 ])
 def test_key_value_heads_the_config_does_not_give_generate_compiled(config, fresh_dynamo):
-    """Key/value heads other than those Transformers' early static-cache initialization reads from
-    the config (one for multi-query attention, twice as many in MiMo's sliding layers): the engine's
-    slots are sized by the keys and values of one eager step of the model instead."""
+    """Key/value heads other than the attention heads (one for multi-query attention, which
+    Transformers reads from the config) or than the config's (twice as many in MiMo's sliding
+    layers, which the engine's slots take from the keys and values of one eager step instead)."""
     cpu = noisy_model(config)
     model = enable_compiled_generation(copy.deepcopy(cpu).to("neuron"), BUCKETS)
     ids, settings = prompt(7), dict(max_new_tokens=6, min_new_tokens=6, **GREEDY)
@@ -536,7 +554,7 @@ def test_key_value_heads_the_config_does_not_give_generate_compiled(config, fres
         warnings.simplefilter("error", UserWarning)  # no fall-back to eager generation
         assert model.generate(ids.to("neuron"), **settings).cpu().tolist() == cpu.generate(ids, **settings).tolist()
     generation = model.neuron_generation
-    assert generation.unservable is None and generation.engine_gap is None and generation.engine.steps == 5
+    assert generation.static.unservable is None and generation.engine_gap is None and generation.engine.steps == 5
 
 
 @pytest.mark.slow
@@ -555,7 +573,7 @@ def test_a_decoder_sizing_positions_by_the_cache_length_reads_it_as_a_scalar(fre
         generated = model.generate(ids.to("neuron"), streamer=streamer, **settings)
     assert generated.cpu().tolist() == cpu.generate(ids, **settings).tolist()
     assert not [w for w in caught if "does not run on the compiled" in str(w.message)]
-    assert model.neuron_generation.cache_length_as_scalar and model.neuron_generation.unservable is None
+    assert model.neuron_generation.static.cache_length_as_scalar and model.neuron_generation.static.unservable is None
     assert streamer.puts[0] == ids[0].tolist() and len(streamer.puts) == 1 + 6  # the prompt once, then each token
     assert recompiles() == 0 and len(model.neuron_generation.cache_keys) >= 2
 
@@ -596,7 +614,7 @@ def test_a_model_reading_the_cache_length_before_its_update_matches_eager(fresh_
         expected, generated = cpu.generate(ids, **settings), model.generate(ids.to("neuron"), **settings)
         torch.testing.assert_close(torch.stack(generated.scores).cpu(), torch.stack(expected.scores))
         assert generated.sequences.cpu().tolist() == expected.sequences.tolist()
-    assert model.neuron_generation.unservable is None and recompiles() == 0
+    assert model.neuron_generation.static.unservable is None and recompiles() == 0
 
 
 @pytest.mark.slow
@@ -607,7 +625,7 @@ def test_a_state_space_model_generates_compiled_and_a_prompt_past_one_chunk_eage
     config = MambaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, state_size=8)
     cpu = AutoModelForCausalLM.from_config(config).eval()
     model = enable_compiled_generation(copy.deepcopy(cpu).to("neuron"), BUCKETS)
-    assert model.neuron_generation.states_only
+    assert model.neuron_generation.static.states_only
     settings = dict(max_new_tokens=6, **GREEDY)
     for length in (6, 6, 16):  # (unpadded prompts: forward takes no position_ids)
         ids = prompt(length, seed=length)
@@ -615,7 +633,7 @@ def test_a_state_space_model_generates_compiled_and_a_prompt_past_one_chunk_eage
             warnings.simplefilter("ignore", UserWarning)  # (the unpadded-prompts note)
             generated = model.generate(ids.to("neuron"), **settings)
         assert generated.cpu().tolist() == cpu.generate(ids, **settings).tolist()
-    assert model.neuron_generation.unservable is None and recompiles() == 0
+    assert model.neuron_generation.static.unservable is None and recompiles() == 0
     # 2 prefill lengths, a decode step: their programs, and their compiled functions (saved for warm starts)
     assert len(model.neuron_generation.cache_keys) == 3 * (PROGRAMS_PER_GRAPH + 1)
 
@@ -624,7 +642,7 @@ def test_a_state_space_model_generates_compiled_and_a_prompt_past_one_chunk_eage
                                          "whose cache holds state-space states only"):
         generated = model.generate(ids.to("neuron"), **settings)
     assert generated.cpu().tolist() == cpu.generate(ids, **settings).tolist()
-    assert model.neuron_generation.unservable is None  # this call only
+    assert model.neuron_generation.static.unservable is None  # this call only
 
 
 @pytest.mark.parametrize("config, reason", [
@@ -647,8 +665,8 @@ def test_a_model_the_graphs_cannot_serve_generates_eagerly_with_one_warning(conf
         generated = model.generate(ids.to("neuron"), streamer=streamer, **settings)
     assert generated.cpu().tolist() == expected.tolist()
     assert streamer.puts[0] == ids[0].tolist() and len(streamer.puts) == 1 + 5  # the prompt once, then each token
-    assert model.neuron_generation._caches == {}  # the static caches are released
-    assert model.neuron_generation.unservable[0].startswith(f"model type '{config.model_type}'")  # remembered
+    assert model.neuron_generation.static._caches == {}  # the static caches are released
+    assert model.neuron_generation.static.unservable[0].startswith(f"model type '{config.model_type}'")  # remembered
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # warned once only; eager from now on, no compile tried
         frames = torch._dynamo.utils.counters["frames"]["total"]
@@ -666,7 +684,7 @@ def test_a_bad_input_raises_its_own_error_and_the_model_still_generates_compiled
         with pytest.raises(IndexError, match=f"input_ids holds the token id {VOCAB + 7}, outside the model's "
                                              f"vocabulary of {VOCAB}"):
             model.generate(too_large.to("neuron"), max_new_tokens=2, **GREEDY)
-        assert model.neuron_generation.unservable is None and model.neuron_generation.engine_gap is None
+        assert model.neuron_generation.static.unservable is None and model.neuron_generation.engine_gap is None
         ids = prompt(5)
         assert model.generate(ids.to("neuron"), max_new_tokens=3, **GREEDY).cpu().tolist() == \
             cpu.generate(ids, max_new_tokens=3, **GREEDY).tolist()

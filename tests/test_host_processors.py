@@ -124,6 +124,36 @@ def test_sampling_on_the_host_draws_what_transformers_draws_with_the_row_s_seed(
     assert generated.tolist() == cpu.generate(ids, **settings).tolist()
 
 
+@pytest.mark.parametrize("settings", [dict(), dict(repetition_penalty=1.3), dict(no_repeat_ngram_size=2)],
+                         ids=["greedy", "device_penalty", "host_processor"])
+def test_scores_and_logits_come_from_the_engine_as_transformers_returns_them(llama, settings):
+    """`return_dict_in_generate` with `output_scores` and `output_logits` runs on the engine (the rows'
+    logits read on the host, which chooses the tokens): the rows stay in step as in Transformers'
+    loop, a row that ended fed the pad token with its scores still recorded, so the sequences,
+    scores and logits of every step are Transformers'. No static graph is compiled."""
+    cpu, model = llama
+    ids, mask = padded_batch()
+    base = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, **settings)
+    free = cpu.generate(ids, eos_token_id=None, **base)
+    eos = int(free[0, 9 + 2])  # (the first row ends at its third token, before the others)
+    asked = dict(base, eos_token_id=eos, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    expected = cpu.generate(ids, **asked)
+    generation = model.neuron_generation
+    steps = generation.engine.steps
+    output = model.generate(ids, **asked)
+    assert type(output) is type(expected) and output.cache is None
+    assert output.sequences.tolist() == expected.sequences.tolist()
+    ended = expected.sequences[:, 9:].tolist()[0].index(eos) + 1
+    assert ended < len(expected.scores)  # (the first row ended before the call: fed the pad token since)
+    assert len(output.scores) == len(output.logits) == len(expected.scores)
+    torch.testing.assert_close(torch.stack(output.logits), torch.stack(expected.logits), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.stack(output.scores), torch.stack(expected.scores), rtol=1e-4, atol=1e-4)
+    assert generation.engine.steps > steps and not generation.static.cache_keys
+    plain = model.generate(ids, **dict(base, eos_token_id=eos, return_dict_in_generate=True))
+    assert plain.sequences.tolist() == expected.sequences.tolist()
+    assert plain.scores is None and plain.logits is None
+
+
 def test_a_failing_host_processor_fails_its_call_and_the_engine_goes_on(llama):
     cpu, model = llama
     ids, mask = padded_batch()
@@ -188,4 +218,4 @@ def test_threads_mixing_host_and_device_choices_share_steps_and_get_what_each_ge
     assert answers == {**expected, 1: "the caller's processor failed"}
     # (the rows of the calls that run to their end share steps: fewer than alone, one call after the other)
     assert engine.steps - steps < alone and engine.busy_slots == 0
-    assert model.neuron_generation.engine_gap is None  # (no call left the engine for compiled generation's graphs)
+    assert model.neuron_generation.engine_gap is None  # (no call left the engine for the static graphs)

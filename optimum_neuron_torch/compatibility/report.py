@@ -103,7 +103,7 @@ class CompatibilityReport:
     training_unlowered_ops: list[UnloweredOp] = field(default_factory=list)
     training_stablehlo: str = "skipped: install the `stablehlo` extra (torch-mlir) to check lowering"
     training_error: str | None = None
-    compile_bill: list[str] = field(default_factory=list)  # compiled generation's graphs (see `buckets.compile_bill`)
+    compile_bill: list[str] = field(default_factory=list)  # generation's graphs (see `buckets.compile_bill`)
     host_processors: list[str] = field(default_factory=list)  # what generate() chooses on the host, and how often
 
     def decide(self) -> str:

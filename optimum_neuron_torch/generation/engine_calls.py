@@ -14,13 +14,17 @@ What a call keeps of Transformers' `generate()`:
   row as Transformers' loop gives it (its left padding included), and takes the argmax or draws from
   the softmax with the row's own generator (`EngineCall.choose`), which the call counts
   (`host_tokens`); processors that read other rows of the batch (classifier-free guidance, a
-  `prefix_allowed_tokens_fn`) run on the compiled path of `compiled_generation` instead;
+  `prefix_allowed_tokens_fn`) run on the static graphs of `static_graphs` instead;
 - the new-token budget and the end-of-sequence tokens stop a row in the engine; the other stopping
   criteria (stop strings, `max_time`, the caller's) run on the host after each token of the row,
   given the row's sequence so far (`[1, length]`) and no scores;
 - a streamer gets the prompt, then each token as it comes (one row, as Transformers' streamers take);
 - the output is the input ids as given, then each row's new tokens, padded with the pad token to
-  the longest, as Transformers returns them.
+  the longest, as Transformers returns them; with `return_dict_in_generate`, in Transformers' output
+  class, with the scores and logits of each step when asked (`output_scores`, `output_logits`): those
+  read each row's logits on the host, which then chooses its tokens, and keep the rows in step as
+  Transformers' loop does (a row that ended is fed the pad token, its scores still recorded, until
+  every row ended). It holds no cache (the engine's slots are not a Transformers cache).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import (
     ClassifierFreeGuidanceLogitsProcessor,
     EosTokenCriteria,
+    GenerateDecoderOnlyOutput,
     GenerationMode,
     LogitsProcessorList,
     MaxLengthCriteria,
@@ -75,6 +80,8 @@ class EngineCall:
         host_processors (`list[LogitsProcessorList]`, *optional*): each row's logits processors, when
             the device cannot apply them: each token is then chosen on the host (see `choose`).
         do_sample (`bool`): whether the host draws the tokens it chooses (else takes the argmax).
+        returned (`tuple[bool, bool]`, *optional*): with `return_dict_in_generate`, whether the output
+            holds each step's (scores, logits); those need `host_processors`.
     """
 
     input_ids: torch.Tensor
@@ -87,22 +94,38 @@ class EngineCall:
     streamer: Any = None
     host_processors: list[LogitsProcessorList] | None = None
     do_sample: bool = False
+    returned: tuple[bool, bool] | None = None
     host_tokens: int = 0  # tokens chosen on the host so far
     failures: list[BaseException] = field(default_factory=list, repr=False)  # the caller's code's (see `_failed`)
     _requests: list[Request] = field(default_factory=list, repr=False)
     _traceback: Any = field(default=None, repr=False)  # the first failure's (the engine strips what it keeps)
+    # Rows kept in step (see `_in_step`): per row, its (scores, logits) of each step so far, and its
+    # length when it ended; the call's length once every row ended.
+    _steps: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=list, repr=False)
+    _ends: list[int | None] = field(default_factory=list, repr=False)
+    _length: int | None = None
 
-    def run(self, engine: GenerationEngine) -> torch.Tensor:
-        """Runs the call's requests on `engine` until each ends; the sequences, as Transformers'
-        generate() returns them (on the host).
+    @property
+    def _in_step(self) -> bool:
+        """Whether the rows go on until every row ended, as in Transformers' loop, whose scores and
+        logits of each step the output holds for every row."""
+        return self.returned is not None and any(self.returned)
+
+    def run(self, engine: GenerationEngine, device: torch.device) -> torch.Tensor | GenerateDecoderOnlyOutput:
+        """Runs the call's requests on `engine` until each ends; what Transformers' generate() returns
+        (the sequences, or its output class with `return_dict_in_generate`), on `device`.
 
         Raises:
             Exception: what failed a request (in the engine, a stopping criterion or the streamer).
         """
         if self.streamer is not None:
             self.streamer.put(self.input_ids)
+        # (rows in step end on the host, see `_keep_in_step`: the engine stops them at their budget only)
+        eos = set() if self._in_step else self.eos_token_ids
+        self._steps = [([], []) for _ in self.prompts]
+        self._ends = [None] * len(self.prompts)
         self._requests = requests = [Request(prompt, self.max_new_tokens, sampling, [], lambda event: None,
-                                             eos_token_ids=self.eos_token_ids)
+                                             eos_token_ids=eos)
                                      for prompt, sampling in zip(self.prompts, self.sampling, strict=True)]
         for row, request in enumerate(requests):  # (events come from the one thread running the engine)
             request.on_event = lambda event, row=row, request=request: self._on_event(row, request, event)
@@ -117,11 +140,18 @@ class EngineCall:
             raise failure
         if self.streamer is not None:
             self.streamer.end()
-        width = max(len(request.tokens) for request in requests)
+        width = self._length or max(len(request.tokens) for request in requests)
         new = torch.full((len(requests), width), self.pad_token_id, dtype=self.input_ids.dtype)
         for row, request in enumerate(requests):
-            new[row, : len(request.tokens)] = torch.tensor(request.tokens, dtype=self.input_ids.dtype)
-        return torch.cat([self.input_ids, new], dim=1)
+            tokens = request.tokens[:width]
+            new[row, : len(tokens)] = torch.tensor(tokens, dtype=self.input_ids.dtype)
+        sequences = torch.cat([self.input_ids, new], dim=1).to(device)
+        if self.returned is None:
+            return sequences
+        kept = [tuple(torch.stack([self._steps[row][kind][step] for row in range(len(requests))]).to(device)
+                      for step in range(width)) if wanted else None
+                for kind, wanted in enumerate(self.returned)]
+        return GenerateDecoderOnlyOutput(sequences=sequences, scores=kept[0], logits=kept[1])
 
     def choose(self, row: int, request: Request, logits: torch.Tensor, generator: torch.Generator) -> int:
         """The next token of `row` (its `request`), chosen on the host as Transformers' loop chooses it:
@@ -130,8 +160,13 @@ class EngineCall:
         the argmax, or a draw from the softmax with the row's `generator`."""
         try:
             sequence = torch.cat([self.input_ids[row], torch.tensor(request.tokens, dtype=self.input_ids.dtype)])
-            scores = self.host_processors[row](sequence[None], logits[None])
-            if self.do_sample:
+            scores = self.host_processors[row](sequence[None], logits[None].clone())
+            if self._in_step:
+                self._steps[row][0].append(scores[0])
+                self._steps[row][1].append(logits)
+            if self._in_step and self._ends[row] is not None:  # (ended: fed the pad token, as Transformers does)
+                token = torch.tensor(self.pad_token_id)
+            elif self.do_sample:
                 token = torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator)
             else:
                 token = scores.argmax(-1)
@@ -159,13 +194,32 @@ class EngineCall:
         try:
             if self.streamer is not None:
                 self.streamer.put(torch.tensor([request.tokens[-1]]))
-            if event.finish_reason is None and len(self.criteria):
+            if self._in_step:
+                self._keep_in_step(row, request, event)
+            elif event.finish_reason is None and len(self.criteria):
                 sequence = torch.cat([self.input_ids[row], torch.tensor(request.tokens)])[None]
                 if bool(self.criteria(sequence, None).any()):
                     request.cancelled = True  # (done: it leaves its slot)
         except BaseException as error:
             self._failed(error)
             raise
+
+
+    def _keep_in_step(self, row: int, request: Request, event: Event) -> None:
+        """After each token of `row` when the rows go on in step: whether the row ended now (an
+        end-of-sequence token, its budget, a stopping criterion), and once every row ended, the
+        call's length, at which each row leaves the engine (a row ahead is cut back to it)."""
+        if self._ends[row] is None:
+            sequence = torch.cat([self.input_ids[row], torch.tensor(request.tokens)])[None]
+            if (request.tokens[-1] in self.eos_token_ids or event.finish_reason is not None
+                    or (len(self.criteria) and bool(self.criteria(sequence, None).any()))):
+                self._ends[row] = len(request.tokens)
+                if all(end is not None for end in self._ends):
+                    self._length = max(self._ends)
+                    for other in self._requests:
+                        other.cancelled = other.cancelled or len(other.tokens) >= self._length
+        if self._length is not None and len(request.tokens) >= self._length:
+            request.cancelled = True
 
 
 def plan(model: PreTrainedModel, buckets: Buckets, input_ids: torch.Tensor | None,
@@ -188,8 +242,9 @@ def plan(model: PreTrainedModel, buckets: Buckets, input_ids: torch.Tensor | Non
     mode = config.get_generation_mode()
     if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         return f"{mode.value.replace('_', ' ')}"
-    if config.return_dict_in_generate or config.output_attentions or config.output_hidden_states:
-        return "return_dict_in_generate / output_attentions / output_hidden_states"
+    if config.output_attentions or config.output_hidden_states:
+        return "output_attentions / output_hidden_states"
+    returned = (bool(config.output_scores), bool(config.output_logits)) if config.return_dict_in_generate else None
     if config.cache_implementation not in (None, "static") or model_kwargs.get("use_cache") is False:
         return f"cache_implementation={config.cache_implementation!r} / use_cache=False"
     repeats = config.num_return_sequences or 1
@@ -221,11 +276,10 @@ def plan(model: PreTrainedModel, buckets: Buckets, input_ids: torch.Tensor | Non
         generation_config=config, input_ids_seq_length=width, encoder_input_ids=input_ids[row:row + 1],
         logits_processor=model_kwargs.get("logits_processor"), device=torch.device("cpu"),
         model_kwargs={"attention_mask": mask[row:row + 1]}) for row in range(input_ids.shape[0])]
-    coupled = sorted({type(p).__name__ for p in processors[0] if isinstance(p, BATCH_PROCESSORS)})
-    if coupled:
-        return f"logits processors reading the whole batch ({', '.join(coupled)})"
-    settings = _sampling(processors[0], config, padded=bool((mask == 0).any()))
-    on_host = settings is None
+    settings = _placement(processors[0], config, padded=bool((mask == 0).any()))
+    if isinstance(settings, str):
+        return settings
+    on_host = settings is None or (returned is not None and any(returned))  # (scores are the host's)
     if on_host:
         settings = {}  # (the device's step takes the greedy token, which the host ignores)
     criteria = model._get_stopping_criteria(config, model_kwargs.get("stopping_criteria") or StoppingCriteriaList(),
@@ -241,7 +295,7 @@ def plan(model: PreTrainedModel, buckets: Buckets, input_ids: torch.Tensor | Non
         seed = int(torch.randint(2**62, ())) if config.do_sample else None
         rows.append(SamplingSettings(**{**settings, "seed": seed}))
     return EngineCall(input_ids, prompts, new_tokens, rows, eos_ids, pad_id, host_criteria,
-                      model_kwargs.get("streamer"), processors if on_host else None, bool(config.do_sample))
+                      model_kwargs.get("streamer"), processors if on_host else None, bool(config.do_sample), returned)
 
 
 def host_processors(model: PreTrainedModel, generation_config: GenerationConfig | None = None) -> list[str]:
@@ -253,16 +307,20 @@ def host_processors(model: PreTrainedModel, generation_config: GenerationConfig 
     processors = model._get_logits_processor(generation_config=config, input_ids_seq_length=1,
                                              encoder_input_ids=torch.zeros((1, 1), dtype=torch.long),
                                              device=torch.device("cpu"), model_kwargs={})
-    if _sampling(processors, config) is not None or any(isinstance(p, BATCH_PROCESSORS) for p in processors):
-        return []  # (on the device, or on compiled generation's graphs)
+    if _placement(processors, config) is not None:
+        return []  # (on the device, or on the static graphs)
     return [type(processor).__name__ for processor in processors]
 
 
-def _sampling(processors: LogitsProcessorList, config: GenerationConfig, padded: bool = False
-              ) -> dict[str, Any] | None:
-    """The `SamplingSettings` fields of `processors`, or None if the engine's step cannot apply them.
+def _placement(processors: LogitsProcessorList, config: GenerationConfig, padded: bool = False
+               ) -> dict[str, Any] | str | None:
+    """Where a row's `processors` run: on the device (the `SamplingSettings` fields of the engine's
+    step), on the host (None), or off the engine (why: processors that read the whole batch).
     The step's repetition penalty reads the prompt without its padding: Transformers' does when it
     knows the mask (`prompt_ignore_length`), a caller's own does not, unless no row is `padded`."""
+    coupled = sorted({type(p).__name__ for p in processors if isinstance(p, BATCH_PROCESSORS)})
+    if coupled:
+        return f"logits processors reading the whole batch ({', '.join(coupled)})"
     penalties = [processor for processor in processors if isinstance(processor, RepetitionPenaltyLogitsProcessor)]
     warpers = LogitsProcessorList(processor for processor in processors if processor not in penalties)
     settings: dict[str, Any] = {}

@@ -16,9 +16,9 @@ from transformers.generation import LogitsProcessorList
 from transformers.masking_utils import create_masks_for_generate
 
 from .buckets import Buckets
-from .compiled_generation import CompiledGeneration
 from .interval_masks import compact
 from .native_ops import native_generation_ops
+from .neuron_generation import NeuronGeneration
 from .saving import restore, save
 from .tensor_parallel import tensor_parallel_mesh
 
@@ -26,7 +26,7 @@ from .tensor_parallel import tensor_parallel_mesh
 class NeuronGenerationMixin:
     """What compiled generation adds to a Transformers model class."""
 
-    neuron_generation: CompiledGeneration
+    neuron_generation: NeuronGeneration
 
     def generate(
         self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs: Any
@@ -76,9 +76,9 @@ class NeuronGenerationMixin:
 
     def prepare_inputs_for_generation(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Transformers' (or the model's own), after giving the cache the context bucket of this
-        forward (see `CompiledGeneration.fit_context`), whose length sizes the attention mask, and
-        with the cache's length told by the host (see `CompiledGeneration.length_from_host`)."""
-        generation = self.neuron_generation
+        forward (see `StaticGraphs.fit_context`), whose length sizes the attention mask, and
+        with the cache's length told by the host (see `StaticGraphs.length_from_host`)."""
+        generation = self.neuron_generation.static
         if not generation.active:
             return super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
         cache = kwargs.get("cache")
@@ -92,7 +92,7 @@ class NeuronGenerationMixin:
         device, not the masks."""
         make_masks = getattr(super(), "create_masks_for_generate", create_masks_for_generate)
         masks = make_masks(*args, **kwargs)
-        generation = self.neuron_generation
+        generation = self.neuron_generation.static
         # Decode steps only (prefill graphs also meet masks made on the device, see `forward`), of
         # decoders (an encoder-decoder's first decoder step runs eagerly, not through `forward`).
         decoding = getattr(kwargs.get("inputs_embeds"), "shape", (0, 0))[1] == 1
@@ -102,15 +102,15 @@ class NeuronGenerationMixin:
                               ) -> LogitsProcessorList:
         """Transformers' (or the model's own), shown to compiled generation, which lets the loop take
         the tokens the graph chose, greedy or sampled, when it would choose them itself (see
-        `CompiledGeneration.choose_tokens`, which gives the processors the loop runs)."""
+        `StaticGraphs.choose_tokens`, which gives the processors the loop runs)."""
         processors = super()._get_logits_processor(generation_config, *args, **kwargs)
-        if self.neuron_generation.active:
-            return self.neuron_generation.choose_tokens(processors, generation_config)
+        if self.neuron_generation.static.active:
+            return self.neuron_generation.static.choose_tokens(processors, generation_config)
         return processors
 
     def get_compiled_call(self, compile_config: CompileConfig | None) -> Callable[..., Any]:
-        if self.neuron_generation.active:
-            return self.neuron_generation.forward
+        if self.neuron_generation.static.active:
+            return self.neuron_generation.static.forward
         return super().get_compiled_call(compile_config)
 
     def save_pretrained(
@@ -136,7 +136,7 @@ def enable_compiled_generation(model: PreTrainedModel, buckets: Buckets | None =
     if isinstance(model, NeuronGenerationMixin):
         disable_compiled_generation(model)
     restored = restore(Path(saved), model) if saved is not None else None
-    model.neuron_generation = CompiledGeneration(model, buckets or restored or Buckets.default(model.config))
+    model.neuron_generation = NeuronGeneration(model, buckets or restored or Buckets.default(model.config))
     model.__class__ = _with_compiled_generation(type(model))
     return model
 

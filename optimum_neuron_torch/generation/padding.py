@@ -110,3 +110,11 @@ class PromptStreamed(BaseStreamer):
 
     def end(self) -> None:
         self.streamer.end()
+
+
+def prompt_streamed(kwargs: dict[str, Any], streamer: UnpaddedStreamer | None) -> dict[str, Any]:
+    """`kwargs` for generating again after a compiled call failed, its streamer told that it has
+    the prompt already if the failed call streamed it."""
+    if isinstance(streamer, UnpaddedStreamer) and not streamer.first:
+        return {**kwargs, "streamer": PromptStreamed(streamer.streamer)}
+    return kwargs

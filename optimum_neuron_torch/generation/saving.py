@@ -29,14 +29,14 @@ from ..device import backend_info
 from ..errors import CompileCacheError
 from ..loading.checkpoint import NEURON_COMPILED_DIR, NEURON_GENERATION_NAME
 from .buckets import Buckets
-from .compiled_generation import CompiledGeneration
 from .compiling import COMPILE_CONFIG
+from .neuron_generation import NeuronGeneration
 from .tensor_parallel import gather_keys, tensor_parallel_mesh
 
 TORCH_CACHE_ARTIFACTS = "torch_cache_artifacts"
 
 
-def save(generation: CompiledGeneration, folder: Path) -> None:
+def save(generation: NeuronGeneration, folder: Path) -> None:
     """Writes the spec and the model's compiled graphs into `folder`. Under tensor parallelism
     every rank calls it: each adds its own graphs, and the first rank writes the spec, which
     records the degree (`tp_size`) the graphs were compiled for."""

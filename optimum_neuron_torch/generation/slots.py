@@ -180,12 +180,10 @@ def unsupported_by_slots(model: PreTrainedModel, cache: StaticCache) -> str | No
 
 def early_shape_fits(model: PreTrainedModel, config: Any, init_shape: tuple[Any, Any], layers: list[Any]) -> bool:
     """Whether the `(num_heads, head_dim)` Transformers reads from the config to initialize a static
-    cache early fits the keys and values the model writes: a `multi_query` config (Falcon,
-    GPTBigCode) keeps one key/value head where Transformers counts the attention heads, and an
-    attention layer whose `k_proj`/`v_proj` is wider or narrower than that (MiMo-V2-Flash: sliding
-    layers with twice the heads, values of their own width) would fail its first cache update."""
-    if getattr(config, "multi_query", False):
-        return False
+    cache early fits the keys and values the model writes: an attention layer whose `k_proj`/`v_proj`
+    is wider or narrower than that (MiMo-V2-Flash: sliding layers with twice the heads, values of
+    their own width) would fail its first cache update. (Transformers reads a `multi_query` config,
+    Falcon's or GPTBigCode's, as one key/value head, as the model writes them.)"""
     if tensor_parallel_mesh(model) is not None:  # (sharded projections: Transformers' shape is per rank)
         return True
     num_heads, head_dim = init_shape
@@ -205,8 +203,8 @@ def early_shape_fits(model: PreTrainedModel, config: Any, init_shape: tuple[Any,
 def head_shapes(model: PreTrainedModel, config: Any, layers: list[Any]) -> list[tuple[int, int, int]]:
     """Per cache layer, the `(heads, key width, value width)` of the keys and values the model
     writes: those Transformers reads from the config when they fit (`early_shape_fits`), else those
-    of one eager step of one token into Transformers' dynamic cache (multi-query attention, layers with
-    heads or value widths of their own)."""
+    of one eager step of one token into Transformers' dynamic cache (layers with heads or value widths
+    of their own)."""
     init_shape = model._get_static_cache_init_shape()
     if init_shape is not None and early_shape_fits(model, config, init_shape, layers):
         num_heads, head_dim = init_shape

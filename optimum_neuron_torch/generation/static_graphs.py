@@ -1,76 +1,64 @@
-"""generate() on a fixed set of compiled static-shape graphs.
+"""generate() on Transformers' own loop over static-shape compiled graphs: the path of what the
+generation engine does not serve (see `neuron_generation`): encoder-decoders, decoders whose cache
+holds state-space or linear-attention states or that number positions by cache slot, and a model
+whose engine failed. It goes once the engine's slots hold those.
 
-Transformers' own `generate()` runs the decoding loop (logits processors, sampling, stopping
-criteria, streamers, output classes); this module only chooses its shapes. Every call is padded to
-a batch bucket and a prompt bucket and given one static KV cache of fixed length per batch bucket,
-and every forward of the loop goes through one compiled function: prefill as Transformers' chunked
-prefill with the bucket as chunk size, then one decode step at a time, each attending over the
-smallest context bucket of the cache that holds the sequence so far (see `context_windows`). So the
-graphs are one per (batch bucket, prompt bucket) plus one decode graph per (batch bucket, context
-bucket) (and one more, that samples, where calls sample in the graph), whatever the prompt length
-or `max_new_tokens`. Between host and device, a decode step moves its inputs (the token, its
-position, the bounds of its masks' intervals) and the token the graph chose, not masks and logits
-(see `forward`). (Decoders that number positions by cache
-slot, whose outputs left padding would change, keep their prompts' lengths: each prompt length
-compiles a prefill graph of its own.) Encoder-decoders run a compiled encoder per (batch, prompt
-bucket) and a compiled decode step per (batch, prompt bucket); their first decoder step (one token,
-which fills the cross-attention cache) runs eagerly, because Transformers' chunked prefill, the
-path that would compile it, slices the encoder's attention mask as if it were the decoder's. What
-it cannot serve this way runs Transformers' eager `generate()`, with a warning once per reason; so
-does, from its first call on, a model whose compiled path fails (see
-`CompiledGeneration._degrade`).
+Transformers' `generate()` runs the loop (logits processors, sampling, stopping criteria,
+streamers, output classes); this module only chooses its shapes. Every call is padded to a batch
+bucket and a prompt bucket (see `static_plans`) and given one static KV cache of fixed length per
+batch bucket (see `static_cache`), and every forward of the loop goes through one compiled
+function: prefill as Transformers' chunked prefill with the bucket as chunk size, then one decode
+step at a time, each attending over the smallest context bucket of the cache that holds the
+sequence so far (see `context_windows`). So the graphs are one per (batch bucket, prompt bucket)
+plus one decode graph per (batch bucket, context bucket) (and one more, that samples, where calls
+sample in the graph), whatever the prompt length or `max_new_tokens`. A decode step moves its
+inputs (the token, its position, the bounds of its masks' intervals) and the token the graph chose
+between host and device, not masks and logits (see `forward`). (Decoders that number positions by
+cache slot, whose outputs left padding would change, keep their prompts' lengths: each prompt
+length compiles a prefill graph of its own.) Encoder-decoders run a compiled encoder per (batch,
+prompt bucket) and a compiled decode step per (batch, prompt bucket); their first decoder step
+(one token, which fills the cross-attention cache) runs eagerly, because Transformers' chunked
+prefill, the path that would compile it, slices the encoder's attention mask as if it were the
+decoder's. What it cannot serve this way runs Transformers' eager `generate()`, with a warning
+once per reason; so does, from its first call on, a model whose compiled path fails (`_degrade`).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import functools
-import inspect
-import logging
 import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, PendingUnbackedSymbolNotFound
 from tqdm.auto import tqdm
 from transformers import EncoderDecoderCache, GenerationConfig, PreTrainedModel, StaticCache
-from transformers.cache_utils import (
-    LinearAttentionAndStaticFullAttentionLayer,
-    LinearAttentionAndStaticSlidingWindowAttentionLayer,
-    LinearAttentionCacheLayerMixin,
-    StaticLayer,
-    StaticSlidingWindowLayer,
-)
-from transformers.generation import GenerationMode, LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import LogitsProcessor, LogitsProcessorList, StoppingCriteriaList
 from transformers.masking_utils import create_masks_for_generate
 from transformers.modeling_outputs import BaseModelOutput
 
 from ..compiler import regions
 from ..compiler.dynamo_backend import recording_cache_keys
-from ..errors import DEVICE_OR_JOB_FAILURES, NeuronTorchError, first_line
-from . import engine_calls
-from .buckets import Buckets, PlannedGraph, compile_bill, engine_plan, graph_plan
+from ..errors import DEVICE_OR_JOB_FAILURES
+from .buckets import Buckets, PlannedGraph, graph_plan
 from .compiling import COMPILE_CONFIG, QUIET_WHILE_TRACED
 from .context_windows import ContextWindows
-from .engine import GenerationEngine
 from .interval_masks import for_graph, in_graph
 from .padding import (
     PaddingRowsDone,
-    PromptStreamed,
     UnpaddedStreamer,
     default_attention_mask,
     fill_rows,
     pad_prompt,
     pad_token_id,
+    prompt_streamed,
     unpad,
 )
 from .sampling import SamplingParameters, sample
-from .slots import early_shape_fits, unsupported_by_slots
+from .static_cache import CacheLength, allocate, holds_states_only, sizes_by_cache_length
+from .static_plans import Shapes, plan, why_no_static_cache, why_not_compiled, why_padding_changes_outputs
 from .tensor_parallel import (
     embeddings_without_padding_index,
     share_random_state,
@@ -78,49 +66,22 @@ from .tensor_parallel import (
     whole_graphs_reason,
 )
 
-logger = logging.getLogger(__name__)
-SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
-# Kwargs whose presence sends a call to Transformers' eager generate(), with why.
-UNSUPPORTED_KWARGS = {
-    "inputs_embeds": "generation from inputs_embeds",
-    "cache": "a cache passed by the caller",
-    "past_key_values": "a cache passed by the caller",
-    "assistant_model": "assisted generation",
-    "negative_prompt_ids": "negative prompts",
-    "prefix_allowed_tokens_fn": "prefix_allowed_tokens_fn",
-    "custom_generate": "custom_generate",
-    "synced_gpus": "synced_gpus",
-}
 
-
-@dataclass(frozen=True)
-class _Shapes:
-    """How one call is padded: real and bucketed rows, prompt length before and after padding,
-    prefill chunk, new tokens."""
-
-    rows: int
-    batch: int
-    prompt: int
-    padded: int
-    chunk: int
-    new_tokens: int
-    min_new_tokens: int
-
-
-class CompiledGeneration:
-    """The compiled-generation state of one model: its buckets, one static cache per batch bucket
-    (and encoder bucket, for encoder-decoders), and the compiled forward every step goes through."""
+class StaticGraphs:
+    """The static-graph generation state of one model: its buckets, one static cache per batch
+    bucket (and encoder bucket, for encoder-decoders), and the compiled forward every step goes through."""
 
     def __init__(self, model: PreTrainedModel, buckets: Buckets) -> None:
         self._model = weakref.ref(model)  # the model holds this object: no cycle, so it frees on `del`
         self.encoder_decoder: bool = model.config.is_encoder_decoder
-        # Why left padding would change this decoder's outputs, if it would (see `_why_padding_changes_outputs`).
-        self.unpadded_prompts: str | None = None if self.encoder_decoder else _why_padding_changes_outputs(model)
+        # Why left padding would change this decoder's outputs, if it would (see `static_plans`).
+        self.unpadded_prompts: str | None = None if self.encoder_decoder else why_padding_changes_outputs(model)
         # Why this model cannot generate compiled and what would change it, known from its forward's
         # signature or once a call found out.
-        self.unservable: tuple[str, str] | None = _why_no_static_cache(model)
+        self.unservable: tuple[str, str] | None = why_no_static_cache(model)
+        self.states_only = holds_states_only(model)
         self.buckets = buckets
-        self.cache_keys: set[str] = set()  # compile-cache entries of this model's graphs
+        self.cache_keys: set[str] = set()  # compile-cache entries of this path's graphs
         self.active = False  # inside a compiled generate(): get_compiled_call() answers with `forward`
         self._caches: dict[tuple[int, int], StaticCache | EncoderDecoderCache] = {}
         self._windows: dict[tuple[int, int], ContextWindows] = {}  # the caches with context buckets
@@ -136,38 +97,11 @@ class CompiledGeneration:
         self.chose_in_graph = False  # whether the step just run chose its tokens in the graph
         self._warned: set[str] = set()
         # Whether the cache's length reaches the model's code as a scalar rather than a tensor (see
-        # `_scalar_cache_length`): set when a call found its tensor sizing the model's tensors.
+        # `static_cache.allocate`): set when a call found its tensor sizing the model's tensors.
         self.cache_length_as_scalar = False
         # One call at a time: the caches, the call's shapes and sampling rows above are this object's,
-        # so a second thread's generate() waits for the first (the engine's calls share its steps).
+        # so a second thread's generate() waits for the first.
         self._one_call = threading.RLock()
-        self._engine: GenerationEngine | None = None
-        # Tokens the engine chose on the host, by logits processor that made it (see `engine_calls`).
-        self.host_choices: collections.Counter[str] = collections.Counter()
-        self._counting = threading.Lock()  # (calls from several threads count at once)
-
-    @functools.cached_property
-    def engine_gap(self) -> str | None:
-        """Why the generation engine (`engine.GenerationEngine`) does not run this model's generate()
-        calls, which run on the compiled graphs of this module instead, or None: a model whose cache
-        the engine's slots do not hold (see `slots.unsupported_by_slots`)."""
-        if self.unservable is not None:
-            return self.unservable[0]
-        if self.encoder_decoder:
-            return "an encoder-decoder model"
-        config = self.model.config.get_text_config(decoder=True)
-        try:
-            cache = StaticCache(config=config, max_cache_len=1)
-        except Exception as error:  # (a config the static cache cannot read)
-            return f"a config Transformers' static cache cannot read ({first_line(error)})"
-        return unsupported_by_slots(self.model, cache)
-
-    @property
-    def engine(self) -> GenerationEngine:
-        """The model's generation engine, on its buckets (made at first use)."""
-        if self._engine is None:
-            self._engine = GenerationEngine(self.model, self.buckets)
-        return self._engine
 
     @property
     def graph_budget(self) -> int:
@@ -180,18 +114,6 @@ class CompiledGeneration:
             return len(buckets.batch_sizes) * (len(buckets.prompt_buckets) * 2 + 1)
         return len(buckets.batch_sizes) * (len(buckets.prompt_buckets) + 3 * len(buckets.context_buckets))
 
-    @functools.cached_property
-    def states_only(self) -> bool:
-        """Whether the model's cache holds state-space (or linear-attention) states only, which
-        Transformers can neither measure nor prefill in chunks (see `_empty_length_known`)."""
-        if self.encoder_decoder:
-            return False
-        try:
-            cache = StaticCache(config=self.model.config.get_text_config(decoder=True), max_cache_len=1)
-        except Exception:  # (a config the static cache cannot read: `_cache` fails the same way, and degrades)
-            return False
-        return all(cache.is_linear)
-
     @property
     def model(self) -> PreTrainedModel:
         return self._model()
@@ -203,8 +125,6 @@ class CompiledGeneration:
     def set_buckets(self, buckets: Buckets) -> None:
         if (buckets.max_length, buckets.context_buckets) != (self.buckets.max_length, self.buckets.context_buckets):
             self._release_caches()
-        if buckets != self.buckets:
-            self._engine = None
         self.buckets = buckets
 
     def _release_caches(self) -> None:
@@ -293,41 +213,13 @@ class CompiledGeneration:
                                       return_dict=True)
 
     def _cache(self, batch: int, encoder_length: int) -> StaticCache | EncoderDecoderCache:
-        """The static cache of a batch bucket (and encoder bucket), allocated once, emptied per call.
-
-        Its layers are Transformers' static layers for the model's layer types (attention, linear
-        attention, state-space, hybrid). Layers whose shapes Transformers cannot tell in advance
-        (multi-head latent attention, multi-query attention, convolution and recurrent states) are
-        allocated by one eager decode step of one token: were they allocated inside the first
-        compiled call, the next call would meet allocated layers and compile again."""
+        """The static cache of a batch bucket (and encoder bucket), allocated once (see
+        `static_cache.allocate`), emptied per call."""
         key = (batch, encoder_length)
         if key not in self._caches:
-            model = self.model
-            config = model.config.get_text_config(decoder=True)
-            lengths = [self.buckets.max_length] + ([encoder_length] if self.encoder_decoder else [])
-            caches = [StaticCache(config=config, max_cache_len=length) for length in lengths]
-            attention = any(getattr(layer, "supports_early_init", False) for layer in caches[0].layers)
-            init_shape = model._get_static_cache_init_shape() if attention else None
-            if init_shape is not None and not early_shape_fits(model, config, init_shape, caches[0].layers):
-                init_shape = None  # (the eager step below sizes the layers from the model's own keys and values)
-            for cache, length in zip(caches, lengths, strict=True):
-                cache.layers = [_without_sliding_window(layer, length) for layer in cache.layers]
-                if init_shape is not None:
-                    num_heads, head_dim = init_shape
-                    cache.early_initialization(batch_size=batch, num_heads=num_heads, head_dim=head_dim,
-                                               dtype=model.dtype, device=model.device)
-            cache = EncoderDecoderCache(*caches) if len(caches) == 2 else caches[0]
-            if not self.encoder_decoder and not all(_allocated(layer) for layer in cache.layers):
-                token = pad_token_id(model.generation_config, self._vocab_size)
-                ids = torch.full((batch, 1), token, dtype=torch.long, device=model.device)
-                with torch.no_grad():
-                    model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache, use_cache=True)
-            decoder_cache = cache.self_attention_cache if self.encoder_decoder else cache
-            decoder_cache.get_seq_length = _CacheLength(decoder_cache)
-            if self.cache_length_as_scalar:
-                _scalar_cache_length(decoder_cache)
-            if self.states_only:
-                _empty_length_known(cache)
+            cache = allocate(self.model, self.buckets.max_length, batch,
+                             encoder_length if self.encoder_decoder else None, self.cache_length_as_scalar,
+                             self.states_only)
             self._caches[key] = cache
             if (not self.encoder_decoder and len(self.buckets.context_buckets) > 1
                     and ContextWindows.fit_for(cache)):
@@ -367,7 +259,7 @@ class CompiledGeneration:
             known = input_ids.shape[-1] - fed
         else:
             known = None
-        if not isinstance(length, _CacheLength) or known is None:
+        if not isinstance(length, CacheLength) or known is None:
             yield
             return
         length.on_host = known
@@ -376,64 +268,18 @@ class CompiledGeneration:
         finally:
             length.on_host = None
 
-    # generate() --------------------------------------------------------------------------------
-    def generate(self, transformers_generate: Callable[..., Any], inputs: torch.Tensor | None = None,
-                 generation_config: GenerationConfig | None = None, **kwargs: Any) -> Any:
-        """Transformers' `generate()` on the generation engine (see `engine_calls`), else on bucketed
-        shapes and compiled graphs, or unchanged (eager) for what those cannot serve. Calls from
-        several threads share the engine's steps; on the compiled graphs, they run one after the other."""
-        # (a split model's ranks must run the same steps: its calls, one at a time, each with all its rows)
-        with self._one_call if tensor_parallel_mesh(self.model) is not None else contextlib.nullcontext():
-            return self._generate_call(transformers_generate, inputs, generation_config, **kwargs)
-
-    def _generate_call(self, transformers_generate: Callable[..., Any], inputs: torch.Tensor | None = None,
-                       generation_config: GenerationConfig | None = None, **kwargs: Any) -> Any:
-        call = self._engine_call(inputs, generation_config, kwargs)
-        if call is not None:
-            try:
-                sequences = call.run(self.engine)
-            except DEVICE_OR_JOB_FAILURES:
-                raise
-            except Exception as error:
-                if error in call.failures:
-                    raise  # (a stopping criterion's or the streamer's: the caller's)
-                with self._one_call:  # (raises the call's own error if it has one: a bad input)
-                    output = self._generate(transformers_generate, inputs, generation_config, **kwargs)
-                self._leave_engine(error)
-                return output
-            else:
-                return sequences.to(inputs.device if inputs is not None else kwargs["input_ids"].device)
-            finally:
-                self.cache_keys |= self.engine.cache_keys if self._engine is not None else set()
-                names = {type(p).__name__ for p in call.host_processors[0]} if call.host_processors else set()
-                with self._counting:
-                    self.host_choices.update(dict.fromkeys(names, call.host_tokens))
+    # generate() ---------------------------------------------------------------------------------
+    def generate(self, transformers_generate: Callable[..., Any], inputs: torch.Tensor | None,
+                 generation_config: GenerationConfig | None, eager_because: str | None = None, **kwargs: Any) -> Any:
+        """Transformers' `generate()` (`transformers_generate`) on bucketed shapes and compiled graphs,
+        or unchanged (eager) for what those cannot serve, or, given `eager_because` (why the engine
+        of a model it serves refused the call), eagerly wherever it would compile: such a model
+        compiles the engine's graphs only. Calls from several threads run one after the other."""
         with self._one_call:
-            return self._generate(transformers_generate, inputs, generation_config, **kwargs)
-
-    def _engine_call(self, inputs: torch.Tensor | None, generation_config: GenerationConfig | None,
-                     kwargs: dict[str, Any]) -> engine_calls.EngineCall | None:
-        """The call as requests of the engine, or None if it runs on this module's graphs."""
-        if self.engine_gap is not None:
-            return None
-        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
-        mesh = tensor_parallel_mesh(self.model)
-        if mesh is not None:  # (every rank draws the rows' seeds, and runs the same steps with them)
-            share_random_state(mesh)
-        call = engine_calls.plan(self.model, self.buckets, input_ids,
-                                 generation_config, {k: v for k, v in kwargs.items() if k != "input_ids"})
-        return call if isinstance(call, engine_calls.EngineCall) else None
-
-    def _leave_engine(self, error: Exception) -> None:
-        """After the engine failed a call of this model with `error` (not the device's nor the
-        caller's failure): its calls run on this module's graphs from now on, with a log that says why."""
-        self.engine_gap = _why_not_compiled(error, self.model)[0]
-        self._engine = None  # (its slots' device memory)
-        logger.warning("generate() of %s runs on its compiled graphs without the generation engine, which "
-                       "failed: %s", type(self.model).__name__, self.engine_gap)
+            return self._generate(transformers_generate, inputs, generation_config, eager_because, **kwargs)
 
     def _generate(self, transformers_generate: Callable[..., Any], inputs: torch.Tensor | None,
-                  generation_config: GenerationConfig | None, **kwargs: Any) -> Any:
+                  generation_config: GenerationConfig | None, eager_because: str | None, **kwargs: Any) -> Any:
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         config, _ = self.model._prepare_generation_config(generation_config, **kwargs)
         mesh = tensor_parallel_mesh(self.model)
@@ -444,9 +290,12 @@ class CompiledGeneration:
         if self.unservable is not None:  # known from the start, or an earlier call found out
             self._warn_once(*self.unservable)
             return transformers_generate(input_ids, generation_config, **kwargs)
-        shapes = self._plan(input_ids, config, kwargs)
-        if isinstance(shapes, str):
-            self._warn_once(shapes)
+        shapes = plan(self.buckets, input_ids, config, kwargs, self.encoder_decoder,
+                      padded_prompts=self.unpadded_prompts is None, states_only=self.states_only)
+        if self.unpadded_prompts is not None and not isinstance(shapes, str):
+            self._note_unpadded_prompts()
+        if isinstance(shapes, str) or eager_because is not None:
+            self._warn_once(shapes if isinstance(shapes, str) else eager_because)
             return transformers_generate(input_ids, generation_config, **kwargs)
         call_kwargs: dict[str, Any] = {}
         self._prompt_length = shapes.padded
@@ -458,11 +307,11 @@ class CompiledGeneration:
             raise  # the device's or the job's state, not the model's: eager generation would not do better
         except Exception as error:  # any failure of the compiled path: see `_degrade`
             streamer = call_kwargs.get("streamer")
-            if not self.cache_length_as_scalar and _sizes_by_cache_length(error):
+            if not self.cache_length_as_scalar and sizes_by_cache_length(error):
                 self.cache_length_as_scalar = True  # (see `_scalar_cache_length`) and once more
                 self._release_caches()
                 return self.generate(transformers_generate, input_ids, generation_config,
-                                     **_prompt_streamed(kwargs, streamer))
+                                     **prompt_streamed(kwargs, streamer))
             return self._degrade(error, transformers_generate, input_ids, generation_config, kwargs, streamer)
         columns = 0 if self.encoder_decoder else shapes.padded - shapes.prompt
         return unpad(output, shapes.rows, columns, input_ids.device)
@@ -475,58 +324,12 @@ class CompiledGeneration:
         eager generation raises it; if it succeeds, the model cannot generate compiled, and does
         so eagerly from now on, with one warning that says why and what would change it."""
         self._release_caches()  # (device memory)
-        output = transformers_generate(input_ids, generation_config, **_prompt_streamed(kwargs, streamer))
-        self.unservable = _why_not_compiled(error, self.model)
+        output = transformers_generate(input_ids, generation_config, **prompt_streamed(kwargs, streamer))
+        self.unservable = why_not_compiled(error, self.model)
         self._warn_once(*self.unservable)
         return output
 
-    def _plan(self, input_ids: torch.Tensor | None, config: GenerationConfig, kwargs: dict[str, Any]) -> _Shapes | str:
-        """The padded shapes of this call, or why it cannot run compiled."""
-        for name, why in UNSUPPORTED_KWARGS.items():
-            if kwargs.get(name) is not None:
-                return why
-        if input_ids is None or input_ids.ndim != 2:
-            return "generation without a 2D tensor of input ids"
-        mode = config.get_generation_mode()
-        if mode not in SUPPORTED_MODES:
-            return f"{mode.value.replace('_', ' ')} (num_beams={config.num_beams})"
-        if config.output_attentions or config.output_hidden_states:
-            return "output_attentions / output_hidden_states"
-        if config.cache_implementation not in (None, "static"):
-            return f"cache_implementation={config.cache_implementation!r}"
-        rows = input_ids.shape[0] * (config.num_return_sequences or 1)
-        batch = self.buckets.batch_size_for(rows)
-        if batch is None:
-            return (f"a batch of {rows} sequences, above the largest batch bucket ({self.buckets.batch_sizes[-1]}); "
-                    "add a bucket with model.precompile(batch_sizes=...)")
-        prompt = input_ids.shape[1]
-        new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt
-        min_new_tokens = (config.min_new_tokens if config.min_new_tokens is not None
-                          else max(config.min_length - prompt, 0))
-        if self.encoder_decoder:
-            padded = chunk = next((length for length in self.buckets.prompt_buckets if length >= prompt), 0)
-            needed = new_tokens + 1
-            if not padded:
-                return (f"an encoder input of {prompt} tokens, above the largest prompt bucket "
-                        f"({self.buckets.prompt_buckets[-1]}); add a bucket with model.precompile(prompt_buckets=...)")
-        elif self.unpadded_prompts is None:
-            padded, chunk = self.buckets.prompt_shape_for(prompt)
-            needed = padded + new_tokens
-        else:
-            padded, chunk = prompt, min(prompt, self.buckets.prompt_buckets[-1])
-            needed = padded + new_tokens
-            self._note_unpadded_prompts()
-        if self.states_only and chunk < padded:
-            return (f"a prompt of {prompt} tokens, above the largest prompt bucket "
-                    f"({self.buckets.prompt_buckets[-1]}), in a model whose cache holds state-space states only, "
-                    "which are prefilled in one chunk; add a bucket with model.precompile(prompt_buckets=...)")
-        if needed > self.buckets.max_length:
-            return (f"{needed} cache positions (prompt padded to {padded}, {new_tokens} new tokens) "
-                    "where the KV cache holds "
-                    f"{self.buckets.max_length}; raise it with model.precompile(max_length=...)")
-        return _Shapes(rows, batch, prompt, padded, chunk, new_tokens, min_new_tokens)
-
-    def _padded_call(self, input_ids: torch.Tensor, config: GenerationConfig, shapes: _Shapes,
+    def _padded_call(self, input_ids: torch.Tensor, config: GenerationConfig, shapes: Shapes,
                      kwargs: dict[str, Any]) -> dict[str, Any]:
         """The arguments of Transformers' generate() for the padded call."""
         kwargs = {name: value for name, value in kwargs.items() if name not in ("max_length", "min_length")}
@@ -610,20 +413,8 @@ class CompiledGeneration:
         """The graphs `precompile(sampling=sampling)` compiles for `buckets` (default: the model's);
         see `buckets.graph_plan`."""
         sampling = self.model.generation_config.do_sample if sampling is None else sampling
-        if self.engine_gap is None:
-            return engine_plan(buckets or self.buckets, sampling=sampling)
         return graph_plan(buckets or self.buckets, encoder_decoder=self.encoder_decoder, sampling=sampling,
                           chunks=not self.states_only)
-
-    def compile_bill(self, buckets: Buckets | None = None, sampling: bool | None = None) -> list[str]:
-        """`graph_plan`, in lines for a person (see `buckets.compile_bill`)."""
-        layers = getattr(self.model.config.get_text_config(decoder=True), "num_hidden_layers", None)
-        decoder = self.model.get_decoder() if self.encoder_decoder else self.model
-        kinds = len({type(layer) for layer in regions.repeated_layers(decoder)})
-        return compile_bill(buckets or self.buckets, self.graph_plan(buckets, sampling), layers, max(kinds, 1),
-                            layer_reuse=kinds > 0
-                            and regions.reuse_off_reason(whole_graphs_reason(self.model)) is None,
-                            engine=self.engine_gap is None)
 
     def precompile(self, show_progress: bool = True, sampling: bool | None = None) -> None:
         """Compiles (or loads from the compile cache) every graph of `graph_plan(sampling=sampling)`
@@ -631,11 +422,6 @@ class CompiledGeneration:
         (its prefill; without context buckets also the decode step), a short prompt whose decode
         steps are held to each context bucket, a prompt of two chunks held to each context bucket a
         chunk needs, and a short prompt sampling in each context bucket (see `sampling`)."""
-        if self.engine_gap is None:
-            sampling = self.model.generation_config.do_sample if sampling is None else sampling
-            self.engine.warm_up(show_progress, sampling=sampling)
-            self.cache_keys |= self.engine.cache_keys
-            return
         buckets = self.buckets
         windows = not self.encoder_decoder and len(buckets.context_buckets) > 1
         shortest = buckets.prompt_buckets[0]
@@ -664,142 +450,6 @@ class CompiledGeneration:
                     self._context_floors = (0, 0)
 
 
-def _why_no_static_cache(model: PreTrainedModel) -> tuple[str, str] | None:
-    """Why a static cache cannot serve `model`, if its forward takes no `cache` (RWKV keeps a state
-    of its own, OpenAI GPT and XLNet none that Transformers' cache classes hold): the reason, and
-    what would make it compile. None for the others."""
-    if "cache" in inspect.signature(model.forward).parameters:
-        return None
-    return (f"model type {model.config.model_type!r} (its forward takes no `cache`: the state it keeps between "
-            "steps, if any, is not one Transformers' static cache holds)",
-            "a forward that takes Transformers' `cache` argument")
-
-
-def _why_not_compiled(error: Exception, model: PreTrainedModel) -> tuple[str, str]:
-    """What to tell the user when the compiled path of `model` failed with `error`: the reason,
-    and what would make the model compile."""
-    if isinstance(error, torch._dynamo.exc.BackendCompilerFailed):
-        error = error.inner_exception  # (what the compile backend raised)
-    if isinstance(error, torch._dynamo.exc.Unsupported):
-        remedy = ("Dynamo cannot trace the model's code in one graph; `optimum-cli neuron-torch check` shows "
-                  "where, and a model patch (optimum_neuron_torch.patches) can rewrite that code")
-    elif isinstance(error, torch._dynamo.exc.UserError | GuardOnDataDependentSymNode):
-        remedy = ("the model's code branches on, or sizes tensors by, tensor values; a model patch "
-                  "(optimum_neuron_torch.patches) that keeps the shapes static would make it compile")
-    elif isinstance(error, NeuronTorchError):
-        remedy = ("a model patch (optimum_neuron_torch.patches) that replaces the ops named by ops the "
-                  "compiler takes")
-    else:
-        remedy = ("the compiled path of this architecture needs a fix; `optimum-cli neuron-torch check` "
-                  "shows the failing step")
-    return (f"model type {model.config.model_type!r} (its compiled forward fails with {type(error).__name__}: "
-            f"{first_line(error)[:300]})", remedy)
-
-
-def _without_sliding_window(layer: Any, length: int) -> Any:
-    """The cache layer to use for `layer`: sliding-window layers branch on a Python int that Dynamo
-    specializes on (a new graph per step), so they become full layers of `length` slots, which the
-    model's sliding-window mask makes compute the same."""
-    if type(layer) is StaticSlidingWindowLayer:
-        return StaticLayer(max_cache_len=length)
-    if type(layer) is LinearAttentionAndStaticSlidingWindowAttentionLayer:
-        return LinearAttentionAndStaticFullAttentionLayer(max_cache_len=length,
-                                                          number_of_states=layer.number_of_states)
-    return layer
-
-
-def _sizes_by_cache_length(error: BaseException) -> bool:
-    """Whether a compiled forward failed because the model sizes or branches on the cache's length,
-    which a static cache holds as a tensor (Dynamo then meets data-dependent sizes)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, GuardOnDataDependentSymNode | PendingUnbackedSymbolNotFound):
-            return True
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return False
-
-
-class _CacheLength:
-    """A cache instance's `get_seq_length()`: the length at the time of the call, told by the host
-    while Transformers prepares a step's inputs there.
-
-    Transformers' static layers return their length tensor itself, which their next update
-    increments in place: a model that reads the length before updating the cache and uses it after
-    (Inkling's query positions) would see the new length (the CPU's dynamic cache returns an int),
-    so the device's answer is a copy. And Transformers' loop, which builds each step's masks on the
-    host, reads the length there every step: read from the device, that is a synchronization a
-    step; the host knows it already (see `CompiledGeneration.length_from_host`)."""
-
-    def __init__(self, cache: StaticCache) -> None:
-        self._ask_cache = cache.get_seq_length
-        self.on_host: int | None = None  # the length, while the host knows it
-
-    def __call__(self, layer_idx: int = 0) -> Any:
-        length = self._ask_cache(layer_idx)  # (the layer's tensor itself: no transfer)
-        if not isinstance(length, torch.Tensor):
-            return length
-        if self.on_host is not None and not torch.compiler.is_compiling():
-            return torch.tensor(self.on_host, dtype=length.dtype)
-        return length.clone()
-
-
-def _scalar_cache_length(cache: StaticCache) -> None:
-    """Makes this cache instance's `get_seq_length()` a scalar read from the device (Dynamo traces it
-    as one symbolic size) instead of the layer's length tensor: positions a model computes as
-    `arange(length, length + n)` then have the static size n, which tensors' values could not give.
-    Each call reads the length from the device, which splits the graph there."""
-
-    def get_seq_length(layer_idx: int = 0) -> int:
-        length = cache.layers[layer_idx].get_seq_length()
-        return int(length.item()) if isinstance(length, torch.Tensor) else length
-
-    cache.get_seq_length = get_seq_length
-
-
-def _empty_length_known(cache: StaticCache) -> None:
-    """Makes this cache instance answer `get_seq_length()` while it is empty (0): Transformers'
-    chunked prefill asks it once, before the first chunk, and Transformers' cache refuses the
-    question when only state-space layers hold the states. Once states are written it refuses as
-    before. Such a cache is prefilled in one chunk only (`_plan`): Mamba's scan over a prompt starts
-    from a zero state, so a second chunk would not continue the first."""
-    ask_cache = cache.get_seq_length
-
-    def get_seq_length(layer_idx: int = 0) -> int:
-        if not any(any(layer.has_previous_state.values()) for layer in cache.layers
-                   if isinstance(layer, LinearAttentionCacheLayerMixin)):
-            return 0
-        return ask_cache(layer_idx)
-
-    cache.get_seq_length = get_seq_length
-
-
-def _prompt_streamed(kwargs: dict[str, Any], streamer: UnpaddedStreamer | None) -> dict[str, Any]:
-    """`kwargs` for generating again after a compiled call failed, its streamer told that it has
-    the prompt already if the failed call streamed it."""
-    if isinstance(streamer, UnpaddedStreamer) and not streamer.first:
-        return {**kwargs, "streamer": PromptStreamed(streamer.streamer)}
-    return kwargs
-
-
-def _why_padding_changes_outputs(model: PreTrainedModel) -> str | None:
-    """Why left padding (masked pad tokens before the prompt) would change a decoder's outputs, or
-    None: a forward without `position_ids` numbers positions by cache slot (learned or sinusoidal
-    positions from the cache length, ALiBi without a mask). (Transformers' linear-attention and
-    state-space layers zero the states of masked tokens, so padding leaves their states as they are.)"""
-    if "position_ids" not in inspect.signature(model.forward).parameters:
-        return "numbers positions by cache slot (its forward takes no position_ids)"
-    return None
-
-
-def _allocated(layer: Any) -> bool:
-    """Whether a cache layer holds its tensors (layers without any, such as `DummyLayer`, do)."""
-    if isinstance(layer, LinearAttentionCacheLayerMixin) and not all(
-            layer.is_conv_states_initialized.values()) and not all(layer.is_recurrent_states_initialized.values()):
-        return False
-    return getattr(layer, "is_initialized", True)
-
-
 def _call(module: torch.nn.Module, **inputs: Any) -> Any:
     """What gets compiled: a call of the module, which it takes as an argument so that the compiled
     function holds no reference to the model (the model holds it)."""
@@ -810,7 +460,7 @@ class _UnlessChosenInGraph(LogitsProcessor):
     """Transformers' warpers of a call whose decode steps sample in the graph: they warp the logits
     of the steps that did not (the prefill's), and pass the host rows of those that did."""
 
-    def __init__(self, generation: CompiledGeneration, processors: LogitsProcessorList) -> None:
+    def __init__(self, generation: StaticGraphs, processors: LogitsProcessorList) -> None:
         self.generation, self.processors = generation, processors
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
