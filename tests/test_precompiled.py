@@ -9,6 +9,7 @@ import importlib
 import json
 import linecache
 import sys
+import warnings
 
 import pytest
 import torch
@@ -197,3 +198,43 @@ def test_a_function_whose_guards_cannot_be_saved_runs_unsaved_and_gives_its_memo
     torch._dynamo.reset()  # (plain torch.compile's own cache entries hold the model until reset)
     gc.collect()
     assert torch.neuron.memory_allocated() == before
+
+
+def logits_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids).logits
+
+
+def test_a_function_restores_whatever_models_the_process_made_before(cache):
+    """Transformers records each model class a process makes (`_CAN_RECORD_REGISTRY`, in the order
+    made) and a model's forward reads its entry, which Dynamo reaches by its place in that order. A
+    function saved by a process that made other models first is restored by one that made this
+    model only: no warning, no tracing, the CPU's logits."""
+    from transformers.utils import output_capturing
+
+    from tiny_models import TINY_MODELS
+
+    registry = output_capturing._CAN_RECORD_REGISTRY
+    torch.manual_seed(0)
+    model, ids = TINY_MODELS["llama"].build().eval(), torch.randint(4, 100, (1, 6))
+    made = dict(registry)  # (this process's models, this one among them)
+    with torch.no_grad():
+        expected = logits_of(model, ids)
+    model.to("neuron")
+    try:
+        dict.clear(registry)  # (a process that made more models before this one)
+        dict.update(registry, {f"<class 'earlier.Model{index}'>": {} for index in range(len(made) + 1)})
+        dict.update(registry, made)
+        with torch.no_grad():
+            PrecompiledFunction(logits_of, OPTIONS, backend="neuron")(model, ids.to("neuron"))
+        assert counts()[0] == 1
+        new_process()
+        dict.clear(registry)
+        dict.update(registry, made)
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("error", UserWarning)  # (a function that is not restored is named by one)
+            restored = PrecompiledFunction(logits_of, OPTIONS, backend="neuron")(model, ids.to("neuron")).cpu()
+        assert counts() == (0, 1, 0)
+        torch.testing.assert_close(restored, expected, rtol=1e-5, atol=1e-5)
+    finally:
+        dict.clear(registry)
+        dict.update(registry, made)

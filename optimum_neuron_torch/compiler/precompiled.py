@@ -158,7 +158,8 @@ class PrecompiledFunction:
         def trace(folder: Path) -> dict[str, Any]:
             _warn_miss(_explain_miss(cache, dependencies), dependencies)
             try:
-                with _importable_class(model, next(iter(inspect.signature(self.function).parameters))):
+                with (_importable_class(model, next(iter(inspect.signature(self.function).parameters))),
+                      _global_key_orders_left_out()):
                     compiled = self._compiler.aot_compile(((model, *args), kwargs))
             except torch._dynamo.exc.PackageError as error:  # (its guards cannot be saved)
                 _release_guard_manager(error)
@@ -251,6 +252,30 @@ def _importable_class(model: torch.nn.Module, argument: str) -> Iterator[None]:
     finally:
         model.__class__ = cls
         _seen_as_base.pop(id(model), None)
+
+
+@contextlib.contextmanager
+def _global_key_orders_left_out() -> Iterator[None]:
+    """While a function is traced to be saved: the dicts held by globals whose key order Dynamo
+    records (it reaches an item by its key's place: Transformers' `_CAN_RECORD_REGISTRY`, keyed by
+    the model classes a process made, in the order it made them) are left out of the saved guards,
+    as `portable_guards` leaves out every guard on globals. Kept, a process that made other models
+    first cannot rebuild the guards (an IndexError at the key's place) and traces again."""
+    from torch._dynamo import guards
+
+    pickle_guards_state = guards.pickle_guards_state
+
+    def without_global_key_orders(state: Any, builder: Any) -> bytes:
+        orders = state.output_graph.guard_on_key_order
+        state.output_graph.guard_on_key_order = {source for source in orders
+                                                 if guards.get_global_source_name(source) is None}
+        return pickle_guards_state(state, builder)
+
+    guards.pickle_guards_state = without_global_key_orders
+    try:
+        yield
+    finally:
+        guards.pickle_guards_state = pickle_guards_state
 
 
 def _release_guard_manager(error: BaseException | None) -> None:

@@ -13,8 +13,9 @@ What a call keeps of Transformers' `generate()`:
   compiled generation gives them; built per row as Transformers builds them for the batch), given the
   row as Transformers' loop gives it (its left padding included), and takes the argmax or draws from
   the softmax with the row's own generator (`EngineCall.choose`), which the call counts
-  (`host_tokens`); processors that read other rows of the batch (classifier-free guidance, a
-  `prefix_allowed_tokens_fn`) run on the static graphs of `static_graphs` instead;
+  (`host_tokens`); a call with processors that read other rows of the batch (classifier-free
+  guidance, a `prefix_allowed_tokens_fn`) is refused (it runs Transformers' eager generate(), see
+  `neuron_generation`);
 - the new-token budget and the end-of-sequence tokens stop a row in the engine; the other stopping
   criteria (stop strings, `max_time`, the caller's) run on the host after each token of the row,
   given the row's sequence so far (`[1, length]`) and no scores;
@@ -204,7 +205,6 @@ class EngineCall:
             self._failed(error)
             raise
 
-
     def _keep_in_step(self, row: int, request: Request, event: Event) -> None:
         """After each token of `row` when the rows go on in step: whether the row ended now (an
         end-of-sequence token, its budget, a stopping criterion), and once every row ended, the
@@ -308,7 +308,7 @@ def host_processors(model: PreTrainedModel, generation_config: GenerationConfig 
                                              encoder_input_ids=torch.zeros((1, 1), dtype=torch.long),
                                              device=torch.device("cpu"), model_kwargs={})
     if _placement(processors, config) is not None:
-        return []  # (on the device, or on the static graphs)
+        return []  # (on the device, or off the engine)
     return [type(processor).__name__ for processor in processors]
 
 
