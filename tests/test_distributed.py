@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from optimum_neuron_torch.device.reference import distributed
+from optimum_neuron_torch.device.reference import collective_work
 from optimum_neuron_torch.device.reference.distributed import BACKEND_NAME
 from optimum_neuron_torch.errors import CollectiveArgumentError
 from testing_utils import failures, launch, names, rank_checks, start_ranks
@@ -79,12 +79,12 @@ def test_a_finished_collective_leaves_gloo_no_reference_to_its_tensors(tmp_path)
         works = [group.allreduce([tensor]), group.allgather([[torch.zeros(4, device="neuron")]], [tensor]),
                  group.alltoall([torch.zeros(4, device="neuron")], [tensor])]
         for work in works:
-            views = list(distributed._flatten(work._keep_alive))
+            views = list(collective_work._flatten(work._keep_alive))
             assert views and any(view._use_count() > 1 for view in views)  # gloo's work holds them
             work.wait()
             assert [view._use_count() for view in views] == [1] * len(views)
             assert work.is_completed() and work.is_success() and work.exception() is None and work.wait()
-        assert not distributed._ORPHANED_VIEWS
+        assert not collective_work._ORPHANED_VIEWS
     finally:
         dist.destroy_process_group()
 
