@@ -31,7 +31,7 @@ def allocate(model: PreTrainedModel, max_length: int, batch: int, encoder_length
     (multi-head latent attention, convolution and recurrent states) are allocated by one eager
     decode step of one token: were they allocated inside the first compiled call, the next call
     would meet allocated layers and compile again. Its `get_seq_length` answers as `CacheLength`
-    says (as `scalar_cache_length` says with `length_as_scalar`; 0 while empty with `states_only`)."""
+    says (as `_scalar_cache_length` says with `length_as_scalar`; 0 while empty with `states_only`)."""
     config = model.config.get_text_config(decoder=True)
     lengths = [max_length] + ([encoder_length] if encoder_length is not None else [])
     caches = [StaticCache(config=config, max_cache_len=length) for length in lengths]
