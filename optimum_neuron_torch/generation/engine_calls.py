@@ -160,8 +160,9 @@ class EngineCall:
         the loop gives it (the input ids as passed, left padding included, then the new tokens); then
         the argmax, or a draw from the softmax with the row's `generator`."""
         try:
-            sequence = torch.cat([self.input_ids[row], torch.tensor(request.tokens, dtype=self.input_ids.dtype)])
-            scores = self.host_processors[row](sequence[None], logits[None].clone())
+            # (the raw logits the output returns are kept from processors that change their scores in place)
+            scores = self.host_processors[row](self._so_far(row, request),
+                                               logits[None].clone() if self._in_step else logits[None])
             if self._in_step:
                 self._steps[row][0].append(scores[0])
                 self._steps[row][1].append(logits)
@@ -176,6 +177,11 @@ class EngineCall:
             raise
         self.host_tokens += 1
         return int(token)
+
+    def _so_far(self, row: int, request: Request) -> torch.Tensor:
+        """`row` as Transformers' loop gives it to processors and criteria: `[1, length]`, the input ids as
+        passed (left padding included), then the row's new tokens."""
+        return torch.cat([self.input_ids[row], torch.tensor(request.tokens, dtype=self.input_ids.dtype)])[None]
 
     def _failed(self, error: BaseException) -> None:
         """The caller's code (a processor, a criterion, the streamer) raised `error`: the call raises it,
@@ -198,8 +204,7 @@ class EngineCall:
             if self._in_step:
                 self._keep_in_step(row, request, event)
             elif event.finish_reason is None and len(self.criteria):
-                sequence = torch.cat([self.input_ids[row], torch.tensor(request.tokens)])[None]
-                if bool(self.criteria(sequence, None).any()):
+                if bool(self.criteria(self._so_far(row, request), None).any()):
                     request.cancelled = True  # (done: it leaves its slot)
         except BaseException as error:
             self._failed(error)
@@ -210,9 +215,8 @@ class EngineCall:
         end-of-sequence token, its budget, a stopping criterion), and once every row ended, the
         call's length, at which each row leaves the engine (a row ahead is cut back to it)."""
         if self._ends[row] is None:
-            sequence = torch.cat([self.input_ids[row], torch.tensor(request.tokens)])[None]
             if (request.tokens[-1] in self.eos_token_ids or event.finish_reason is not None
-                    or (len(self.criteria) and bool(self.criteria(sequence, None).any()))):
+                    or (len(self.criteria) and bool(self.criteria(self._so_far(row, request), None).any()))):
                 self._ends[row] = len(request.tokens)
                 if all(end is not None for end in self._ends):
                     self._length = max(self._ends)

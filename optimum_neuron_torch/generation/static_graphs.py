@@ -26,6 +26,7 @@ once per reason; so does, from its first call on, a model whose compiled path fa
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import warnings
 import weakref
@@ -79,7 +80,6 @@ class StaticGraphs:
         # Why this model cannot generate compiled and what would change it, known from its forward's
         # signature or once a call found out.
         self.unservable: tuple[str, str] | None = why_no_static_cache(model)
-        self.states_only = holds_states_only(model)
         self.buckets = buckets
         self.cache_keys: set[str] = set()  # compile-cache entries of this path's graphs
         self.active = False  # inside a compiled generate(): get_compiled_call() answers with `forward`
@@ -102,6 +102,11 @@ class StaticGraphs:
         # One call at a time: the caches, the call's shapes and sampling rows above are this object's,
         # so a second thread's generate() waits for the first.
         self._one_call = threading.RLock()
+
+    @functools.cached_property
+    def states_only(self) -> bool:
+        """Whether the model's cache holds state-space states only (`static_cache.holds_states_only`)."""
+        return holds_states_only(self.model)
 
     @property
     def graph_budget(self) -> int:
