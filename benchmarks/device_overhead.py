@@ -313,6 +313,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  machine      : {os.cpu_count()} CPUs, {cpu_model_name()}, Python {platform.python_version()}, "
           f"torch {torch.__version__}")
     print(f"  source       : {source_state()}")
+    load = os.getloadavg()[0]
+    print(f"  load average : {load:.2f} over the last minute, on {os.cpu_count()} CPUs")
+    if load > 0.5 * (os.cpu_count() or 1):
+        # (other work on the cores inflates both columns and their difference: 1.2 us of "overhead" with
+        # one busy loop beside the benchmark on a 2-CPU VM, 0.6 us quiet; see RESULTS.md, issue 38 item 7)
+        print("  WARNING      : the machine is busy: the per-call times and the overhead are inflated; compare "
+              "overheads from a quiet machine only")
     print(f"  timing       : {ARGS.blocks} interleaved blocks of ~{ARGS.block_ms:g} ms per case and device; "
           "median per-call time over blocks")
     sys.stdout.flush()

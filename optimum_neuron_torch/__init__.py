@@ -15,7 +15,7 @@ from .device import (
 from .device.selection import activate as _activate
 from .version import __version__
 
-if _activate().name == "reference":
+if not _activate().compiles_itself:
     # TorchNeuron brings its own `neuron` compile backend; the reference device gets the library's.
     from .compiler.dynamo_backend import register as _register_compile_backend
 

@@ -31,9 +31,15 @@ from the C++ dispatcher, which cannot raise a Python subclass).
     ├── RankFailedError (RuntimeError)              another rank of the job failed a step all ranks take
     ├── InvalidRequestError (ValueError)            a served request with a field the server cannot take (names it)
     └── ServerBusyError (RuntimeError)              a server whose request queue is full, or not serving
+
+One exception here is not a refusal and never reaches the user: `UncacheableGraph` (an `Exception`,
+outside the tree), which the compiler raises and catches itself to run a graph it cannot cache.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed
@@ -162,3 +168,13 @@ class ServerBusyError(NeuronTorchError, RuntimeError):
     def __init__(self, message: str, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class UncacheableGraph(Exception):
+    """Raised by `compile_into` for a graph that compiled but that AOTAutograd would not make
+    serializable (it bypasses its cache for, e.g., autocast inside activation checkpointing): it
+    carries the compiled graph, which runs in this process only."""
+
+    def __init__(self, compiled: Callable[..., Any], reason: str) -> None:
+        super().__init__(reason)
+        self.compiled = compiled

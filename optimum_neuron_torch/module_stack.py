@@ -1,5 +1,6 @@
 """Which `nn.Module` is running: the stack of module calls, with qualified names, observed through
-PyTorch's global module hooks while a block is active (so fallbacks can name their caller)."""
+hooks on the modules of the models asked for, while they are needed (so fallbacks can name their
+caller); never through PyTorch's global module hooks, which every module of the process would run."""
 
 from __future__ import annotations
 
@@ -41,36 +42,62 @@ class ModuleStack:
         self._running.pop()
 
 
-@contextlib.contextmanager
-def observing_modules(on_enter: Listener, on_exit: Listener) -> Iterator[ModuleStack]:
-    """Calls `on_enter` before and `on_exit` after (also when it raises) every module forward in
-    the block, with the stack as it is outside, resp. inside, that module. Compiled code is not
-    observed: Dynamo traces the hooks away."""
-    stack = ModuleStack()
+class ModuleObserver:
+    """Calls `on_enter` before and `on_exit` after (also when it raises) every forward of the modules
+    of the models it observes (`observe`), with the stack as it is outside, resp. inside, that
+    module: hooks on each of their modules, none global (other modules of the process run without
+    them), all removed by `close()`. Compiled code is not observed: Dynamo traces the hooks away.
+
+    Args:
+        on_enter (`Callable[[ModuleStack], None]`): called before each forward.
+        on_exit (`Callable[[ModuleStack], None]`): called after each forward, also when it raised.
+    """
+
+    def __init__(self, on_enter: Listener, on_exit: Listener) -> None:
+        self.stack = ModuleStack()
+        self._on_enter, self._on_exit = on_enter, on_exit
+        self._hooked: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # (a module shared by two models: once)
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def observe(self, model: nn.Module) -> None:
+        """Observes every module of `model` (those it already observes are left as they are)."""
+        for module in model.modules():
+            if module not in self._hooked:
+                self._hooked.add(module)
+                self._handles += [module.register_forward_pre_hook(self._enter),
+                                  module.register_forward_hook(self._exit, always_call=True)]
+
+    def close(self) -> None:
+        """Removes every hook: the models run as before."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._hooked = weakref.WeakSet()
 
     # A listener may raise (the `error` policy does). The stack stays balanced all the same: PyTorch
     # calls an `always_call` forward hook even when a pre-hook raised, so every enter pushes and
     # every exit pops.
-    def enter(module: nn.Module, args: object) -> None:
+    def _enter(self, module: nn.Module, args: object) -> None:
         if not torch.compiler.is_compiling():
             try:
-                on_enter(stack)
+                self._on_enter(self.stack)
             finally:
-                stack.push(module)
+                self.stack.push(module)
 
-    def exit(module: nn.Module, args: object, output: object) -> None:
+    def _exit(self, module: nn.Module, args: object, output: object) -> None:
         if not torch.compiler.is_compiling():
             try:
-                on_exit(stack)
+                self._on_exit(self.stack)
             finally:
-                stack.pop()
+                self.stack.pop()
 
-    handles = [
-        nn.modules.module.register_module_forward_pre_hook(enter),
-        nn.modules.module.register_module_forward_hook(exit, always_call=True),
-    ]
+
+@contextlib.contextmanager
+def observing_modules(model: nn.Module, on_enter: Listener, on_exit: Listener) -> Iterator[ModuleStack]:
+    """A `ModuleObserver` of `model` inside the block (see there); yields its stack."""
+    observer = ModuleObserver(on_enter, on_exit)
+    observer.observe(model)
     try:
-        yield stack
+        yield observer.stack
     finally:
-        for handle in handles:
-            handle.remove()
+        observer.close()

@@ -61,6 +61,20 @@ LOCAL_WORLD_SIZE_ENV = "LOCAL_WORLD_SIZE"
 # torch's launcher: how long it waits for the ranks to exit after passing them a signal (default 30 s;
 # `commands.launch` sets it for a server's drain, when the user has not)
 ELASTIC_SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+# What `optimum-cli neuron-torch env` reports: the library's, TorchNeuron's and the Neuron runtime's
+# variables (by prefix), and those of PyTorch, the Hub and the host that change what the library does.
+ENV_PREFIX = "OPTIMUM_NEURON_TORCH_"
+REPORTED_PREFIXES = (ENV_PREFIX, "TORCH_NEURONX_", "NEURON_")
+REPORTED_VARIABLES = (AUTOLOAD_ENV, "HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_DISABLE_PROGRESS_BARS",
+                      "TRANSFORMERS_OFFLINE", "XDG_CACHE_HOME", CXX_ENV, "OMP_NUM_THREADS")
+# TorchNeuron's compiled-graph cache: its variables, and what applies when one is not set.
+NEFF_CACHE_VARIABLES = {
+    NEFF_CACHE_ENV: NEFF_CACHE_DEFAULT,
+    "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": "/tmp/local_cache",
+    "TORCH_NEURONX_NEFF_CACHE_LOCK_TIMEOUT": "1200",
+    "TORCH_NEURONX_DISABLE_NEFF_CACHE": "unset (cache on)",
+    "TORCH_NEURONX_NEFF_DISABLE_CACHE": "unset (cache on)",
+}
 
 BACKENDS = ("auto", "torchneuron", "reference")
 FALLBACK_MODES = ("warn", "error", "silent")
@@ -125,7 +139,7 @@ def requested_backend() -> str:
     return parse_choice(BACKEND_ENV, BACKENDS, "auto")
 
 
-def fallback_mode() -> str:
+def requested_fallback_mode() -> str:
     """`OPTIMUM_NEURON_TORCH_FALLBACK`: the fallback policy at start, `warn` (default), `error` or `silent`."""
     return parse_choice(FALLBACK_ENV, FALLBACK_MODES, "warn")
 
@@ -204,6 +218,29 @@ def visible_cores() -> str | None:
 def launcher_world_size() -> int:
     """The number of processes of the job (`WORLD_SIZE`; 1 without a launcher)."""
     return int(os.environ.get(WORLD_SIZE_ENV, "1"))
+
+
+def launched_locally() -> bool:
+    """Whether a launcher gave this process a rank on its host (`LOCAL_RANK` is set)."""
+    return LOCAL_RANK_ENV in os.environ
+
+
+def launcher_local_world_size() -> int:
+    """The number of processes of the job on this host (`LOCAL_WORLD_SIZE`; 1 without a launcher)."""
+    return int(os.environ.get(LOCAL_WORLD_SIZE_ENV, "1"))
+
+
+def reported_variables() -> dict[str, str]:
+    """The variables `optimum-cli neuron-torch env` reports that are set (`REPORTED_PREFIXES`,
+    `REPORTED_VARIABLES`), by name."""
+    return {name: value for name, value in sorted(os.environ.items())
+            if name.startswith(REPORTED_PREFIXES) or name in REPORTED_VARIABLES}
+
+
+def neff_cache_variables() -> dict[str, str]:
+    """TorchNeuron's compiled-graph cache variables (`NEFF_CACHE_VARIABLES`): each one's value, or
+    what applies when it is not set, marked `(default)`."""
+    return {name: os.environ.get(name, f"{default} (default)") for name, default in NEFF_CACHE_VARIABLES.items()}
 
 
 def distributed_timeout() -> float:

@@ -20,13 +20,16 @@ def test_forcing_torchneuron_when_absent_is_a_clear_error():
     assert "torch_neuronx" in result.stdout and "OPTIMUM_NEURON_TORCH_BACKEND=reference" in result.stdout
 
 
-def test_forcing_reference_works():
-    result = run_python(
-        "import optimum_neuron_torch; print(optimum_neuron_torch.backend_info().name)",
-        env={"OPTIMUM_NEURON_TORCH_BACKEND": "reference"},
-    )
+def test_forcing_reference_works(tmp_path):
+    # An XLA-era torch_neuronx (no `neuron` device) on the path: `auto` also ends on the reference device, but
+    # warns why (test_torchneuron.py); forced, the reference device is chosen without a look at it.
+    (tmp_path / "torch_neuronx").mkdir()
+    (tmp_path / "torch_neuronx" / "__init__.py").write_text("__version__ = '2.1.2.2.3.0'\n")
+    code = "import optimum_neuron_torch; print(optimum_neuron_torch.backend_info().name)"
+    result = run_python(code, env={"OPTIMUM_NEURON_TORCH_BACKEND": "reference", "PYTHONPATH": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "reference"
+    assert "torch-neuronx" not in result.stderr and "OPTIMUM_NEURON_TORCH_BACKEND" not in result.stderr
 
 
 def test_unknown_backend_value_is_rejected():

@@ -208,7 +208,12 @@ def test_cli_check_formats_strict_and_errors(folders, tmp_path):
 
     clean = optimum_cli("check", str(folders["llama"]), "--strict", "--format", "markdown")
     assert clean.returncode == 0, clean.stderr
-    assert "**Verdict: runs natively**" in clean.stdout
+    assert "**Verdict: runs natively**" in clean.stdout and "dtype `float32`" in clean.stdout
+
+    narrowed = optimum_cli("check", "--model", str(folders["llama"]), "--dtype", "bfloat16", "--no-compile",
+                           "--format", "json")
+    assert narrowed.returncode == 0, narrowed.stderr
+    assert json.loads(narrowed.stdout)["dtype"] == "bfloat16"
 
     missing = optimum_cli("check", str(tmp_path / "nowhere"))
     assert missing.returncode == 2 and missing.stdout == ""

@@ -60,13 +60,19 @@ def cpu_greedy_text(folder: Path, inputs: dict[str, torch.Tensor]) -> str:
     return AutoTokenizer.from_pretrained(folder).decode(tokens, skip_special_tokens=True)
 
 
+MODEL_OPTIONS = ["--model", "--dtype", "float32", "bfloat16"]
+SPLIT = ["--tensor-parallel-size", "--tp-size"]
+
+
 @pytest.mark.parametrize("command, described", [
     ((), ["generate", "check", "compile", "cache", "env"]),
-    (("generate",), ["prompt", "--model", "--max-new-tokens", "--do-sample", "--temperature", "--top-k", "--top-p",
-                     "--seed", "--no-chat-template", "--system"]),
-    (("check",), ["model", "--format", "--strict", "--no-patches", "--no-compile", "--sequence-length"]),
-    (("compile",), ["model", "--batch-sizes", "--prompt-buckets", "--max-length", "--context-buckets", "--save",
-                    "--dry-run"]),
+    (("generate",), ["prompt", *MODEL_OPTIONS, *SPLIT, "--max-new-tokens", "--do-sample", "--temperature", "--top-k",
+                     "--top-p", "--seed", "--no-chat-template", "--system"]),
+    (("check",), ["MODEL", *MODEL_OPTIONS, "--format", "--strict", "--no-patches", "--no-compile",
+                  "--sequence-length"]),
+    (("compile",), ["MODEL", *MODEL_OPTIONS, *SPLIT, "--batch-sizes", "--prompt-buckets", "--max-length",
+                    "--context-buckets", "--save", "--dry-run"]),
+    (("serve",), ["MODEL", *MODEL_OPTIONS, *SPLIT, "--host", "--port", "--batch-size", "--prefill-budget"]),
     (("cache",), ["list", "stats", "clear", "push", "pull"]),
     (("cache", "push"), ["destination", "hf://"]),
     (("cache", "pull"), ["source", "@revision"]),
@@ -75,12 +81,27 @@ def cpu_greedy_text(folder: Path, inputs: dict[str, torch.Tensor]) -> str:
     (("cache", "clear"), ["Remove every compiled graph"]),
     (("env",), ["--format", "text", "json"]),
 ])
-def test_every_command_has_help(command, described):
+def test_every_command_has_help_with_examples(command, described):
     done = optimum_cli(*command, "--help")
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"usage: optimum-cli neuron-torch {' '.join(command)}".rstrip())
     for word in described:
         assert word in done.stdout
+    examples = done.stdout.partition("\nexamples:\n")[2].splitlines()
+    assert examples and all(f"optimum-cli neuron-torch {' '.join(command)}".rstrip() in line
+                            for line in examples), done.stdout
+
+
+@pytest.mark.parametrize("args, error", [
+    (("check",), "a model is needed: give it as MODEL or with --model"),
+    (("compile", "--dry-run"), "a model is needed: give it as MODEL or with --model"),
+    (("compile", "one", "--model", "other"), "two models given: 'one' and --model 'other'; give one"),
+    (("serve", "--dtype", "int3"), "argument --dtype: invalid choice: 'int3'"),
+])
+def test_a_model_argument_missing_twice_or_wrong_is_a_usage_error(args, error):
+    done = optimum_cli(*args)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("usage: optimum-cli neuron-torch") and error in done.stderr, done.stderr
 
 
 def test_generate_streams_the_chat_answer_of_transformers(chat_model, compiled):
@@ -143,8 +164,10 @@ def test_serve_on_a_compiled_and_saved_model_compiles_nothing(compiled, monkeypa
     assert serving_buckets(model, batch_size=2).batch_sizes == (1, 2)  # (options given replace the saved ones)
 
 
-def test_compile_dry_run_prints_the_bill_and_compiles_nothing(chat_model, tmp_path):
-    done = optimum_cli("compile", str(chat_model), *BUCKETS, "--dry-run", env={CACHE_ENV: str(tmp_path / "cache")})
+@pytest.mark.parametrize("model_as", ["MODEL", "--model"])
+def test_compile_dry_run_prints_the_bill_and_compiles_nothing(chat_model, tmp_path, model_as):
+    model = [str(chat_model)] if model_as == "MODEL" else ["--model", str(chat_model)]
+    done = optimum_cli("compile", *model, *BUCKETS, "--dry-run", env={CACHE_ENV: str(tmp_path / "cache")})
     assert done.returncode == 0, done.stderr[-3000:]
     # the same 7 graphs `compile` reports compiling for these buckets (test above)
     assert "MistralForCausalLM: the compile bill (--dry-run: nothing compiled)" in done.stdout

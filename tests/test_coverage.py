@@ -76,15 +76,22 @@ def sweep_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("coverage-compile-cache")
 
 
+# The table's columns of how a type generates (its other columns, graphs and StableHLO, are of how it compiles).
+GENERATION = ("eager_identical", "compiled_identical", "degraded", "patches", "fallback_ops")
+
+
 @pytest.mark.parametrize("model_type", coverage.SAMPLE)
 def test_a_sampled_type_generates_on_neuron_as_the_table_says(model_type, sweep_cache):
     result = coverage.run_in_subprocess(model_type, timeout=400, cache_dir=sweep_cache)
-    committed = BY_TYPE[model_type]
     assert "error" not in result, result["error"]  # never an exception on `neuron`
     assert result["eager_identical"], "eager generation on neuron gives other tokens than the CPU"
     # Compiled generation gives the CPU's tokens, or degrades to eager generation with a warning.
     assert result["compiled_identical"] or result["degraded"], "compiled tokens differ, and nothing said so"
-    if SAME_TRANSFORMERS:
-        for name in ("eager_identical", "compiled_identical", "patches"):
-            assert result[name] == committed[name], (name, result[name], committed[name])
-        assert bool(result["degraded"]) == bool(committed["degraded"]), result["degraded"]
+    # ... as the table says, whatever the Transformers version: identical tokens where it says so (or the
+    # same reason to degrade), the same patches and the same ops falling back to the CPU.
+    found = {name: result.get(name) for name in GENERATION}
+    assert found == {name: BY_TYPE[model_type].get(name) for name in GENERATION}, (
+        f"{model_type} no longer generates as docs/coverage.md says (swept with Transformers "
+        f"{COMMITTED['transformers']}, here {transformers.__version__}): fix the regression, or re-measure its "
+        f"row with `python benchmarks/coverage.py --types {model_type} --update`"
+    )

@@ -10,6 +10,7 @@ from transformers import LlamaForCausalLM
 
 import optimum_neuron_torch as ont
 from optimum_neuron_torch.errors import ConfigurationError
+from optimum_neuron_torch.fallbacks import watch
 from testing_utils import run_python
 from tiny_models import TINY_MODELS
 
@@ -61,8 +62,16 @@ def test_counters_are_exact_for_known_op_counts(net):
     assert all(s.seconds > 0 for s in stats.values())
 
 
+def hooks(model: torch.nn.Module) -> int:
+    """The forward hooks on `model`'s modules, and the global ones (which every module runs)."""
+    modules = torch.nn.modules.module
+    return (sum(len(module._forward_pre_hooks) + len(module._forward_hooks) for module in model.modules())
+            + len(modules._global_forward_pre_hooks) + len(modules._global_forward_hooks))
+
+
 def test_error_policy_names_op_module_and_setting(net):
     model, x = net
+    watch(model)  # (as the library watches the models it loads)
     with ont.fallback_policy("error"):
         with pytest.raises(NotImplementedError) as caught:
             model(x)
@@ -75,15 +84,37 @@ def test_error_policy_names_op_module_and_setting(net):
         model(x)  # the policy restored, the model still works
 
 
+def test_the_policy_hooks_the_watched_models_while_it_needs_to_and_nothing_else(net):
+    model, x = net
+    other = Net().to("neuron")
+    assert ont.get_fallback_policy() == "warn" and hooks(model) == hooks(other) == 0  # importing hooked nothing
+    watch(model)
+    watch(model)  # (twice: once)
+    assert hooks(model) == 0  # the default `warn` needs no hook on the reference device
+    with ont.fallback_policy("error"):
+        assert hooks(model) == 2 * len(list(model.modules())) and hooks(other) == 0
+        with pytest.raises(NotImplementedError) as caught:
+            other(x)  # not watched: refused all the same, by the device, without its module's name
+        assert "Called from module" not in str(caught.value)
+        late = Net().to("neuron")
+        watch(late)  # watched while the policy needs it: hooked at once
+        assert hooks(late) == hooks(model)
+        with pytest.raises(NotImplementedError, match=r"Called from module 'Net.head'\.$"):
+            late(x)
+    assert hooks(model) == hooks(late) == hooks(other) == 0  # removed with the policy
+
+
 def test_error_policy_from_the_environment_names_the_module():
     result = run_python(
         """
         import torch, optimum_neuron_torch
+        from optimum_neuron_torch.fallbacks import watch
         model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Softmax(-1)).to("neuron")
         class Pick(torch.nn.Module):
             def forward(self, x):
                 return x.argmax()
         model.append(Pick())
+        watch(model)
         print(optimum_neuron_torch.get_fallback_policy())
         try:
             model(torch.ones(2, 3).to("neuron"))
@@ -233,13 +264,14 @@ def torchneuron(monkeypatch):
 
     yield make, tracker, Outer(tracker)
     for made in created:
-        made.set("silent")  # removes its global module hooks
+        made.set("silent")  # removes the hooks on the watched models' modules
     monkeypatch.undo()  # back on the reference device before the process's policy is restored
     ont.set_fallback_policy(previous)
 
 
 def test_torchneuron_error_refuses_a_fallback_when_the_module_that_ran_it_ends(torchneuron):
     make, tracker, model = torchneuron
+    watch(model)
     tracker.ops.add("aten::seen_before")
     current = make()
     assert current.mode == "warn" and tracker.clears == 0
@@ -262,13 +294,16 @@ def test_torchneuron_error_refuses_a_fallback_when_the_module_that_ran_it_ends(t
 def test_torchneuron_error_lists_every_op_that_fell_back(torchneuron):
     make, tracker, _ = torchneuron
     make().set("error")
+    falls = Falls(tracker, "aten::c", "aten::a", "aten::b")
+    watch(falls)
     with pytest.raises(NotImplementedError, match=r"^Operator 'aten::a' fell back to CPU in module 'Falls' "
                                                   r"\(also aten::b, aten::c\), and "):
-        Falls(tracker, "aten::c", "aten::a", "aten::b")(torch.ones(2))
+        falls(torch.ones(2))
 
 
 def test_torchneuron_error_names_code_outside_any_module(torchneuron):
     make, tracker, model = torchneuron
+    watch(model)
     current = make()
     current.set("error")
     tracker.ops.add("aten::nonzero")  # ran before the model call, outside any module
@@ -301,15 +336,15 @@ def test_torchneuron_error_names_the_caller_of_a_submodule(torchneuron):
             tracker.ops.add("aten::sort")  # in the parent's own code, before it calls its child
             return self.child(x)
 
+    parent = Parent()
+    watch(parent)
     with pytest.raises(NotImplementedError, match=r"^Operator 'aten::sort' fell back to CPU in module 'Parent', and"):
-        Parent()(torch.ones(2))
+        parent(torch.ones(2))
 
 
 def test_torchneuron_default_warn_observes_only_the_models_the_library_loaded(torchneuron):
     """By default nothing observes the process's modules (no global hook, no wait per call): a model
     the library loaded warns after each call, reading the tracker without waiting for the device."""
-    from optimum_neuron_torch.fallbacks.policy import watch
-
     make, tracker, model = torchneuron
     modules = torch.nn.modules.module
     hooks = len(modules._global_forward_pre_hooks), len(modules._global_forward_hooks)
@@ -332,8 +367,9 @@ def test_torchneuron_default_warn_observes_only_the_models_the_library_loaded(to
 def test_torchneuron_warn_once_per_op_after_the_outermost_call(torchneuron, monkeypatch):
     make, tracker, model = torchneuron
     tracker.ops.add("aten::known")  # recorded before the policy existed: never warned
-    monkeypatch.setenv("OPTIMUM_NEURON_TORCH_FALLBACK", "warn")  # asked for: every module observed
+    monkeypatch.setenv("OPTIMUM_NEURON_TORCH_FALLBACK", "warn")  # asked for: every module of a watched model
     make()  # the policy under test (kept alive by the fixture's `created` list)
+    watch(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model(torch.ones(2))
@@ -355,10 +391,12 @@ def test_torchneuron_warn_names_an_op_run_before_a_leaf_module_as_outside_any_mo
     make, tracker, _ = torchneuron
     monkeypatch.setenv("OPTIMUM_NEURON_TORCH_FALLBACK", "warn")
     make()
+    falls = Falls(tracker, "aten::sort")  # a module without submodules
+    watch(falls)
     tracker.ops.add("aten::topk")  # before the call, outside any module
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        Falls(tracker, "aten::sort")(torch.ones(2))  # a module without submodules
+        falls(torch.ones(2))
     assert [str(warning.message).split(";")[0] for warning in caught] == [
         "Operator 'aten::topk' fell back to CPU (outside any module)",
         "Operator 'aten::sort' fell back to CPU (during a call of 'Falls')",
@@ -368,16 +406,21 @@ def test_torchneuron_warn_names_an_op_run_before_a_leaf_module_as_outside_any_mo
 def test_torchneuron_silent_from_the_start_warns_nothing(torchneuron, monkeypatch):
     make, tracker, model = torchneuron
     monkeypatch.setenv("OPTIMUM_NEURON_TORCH_FALLBACK", "silent")
-    make()
-    tracker.ops.add("aten::topk")
+    current = make()
+    assert current.mode == "silent" and current.explicit and not current.observing
+    # A model the library loaded, with an op no other test reports: the default `warn` would warn of it
+    # after the call (so the check below fails unless the variable took effect).
+    watch(model)
+    tracker.ops.add("aten::silent_from_the_start")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         model(torch.ones(2))
-    assert tracker.ops == {"aten::topk", "aten::argmax", "aten::cumprod"}
+    assert tracker.ops == {"aten::silent_from_the_start", "aten::argmax", "aten::cumprod"}
 
 
 def test_torchneuron_silent_removes_the_observer(torchneuron):
     make, tracker, model = torchneuron
+    watch(model)
     current = make()
     current.set("silent")
     assert current.mode == "silent"

@@ -4,6 +4,7 @@ layers README.md lists (a newcomer reads the package top to bottom)."""
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 import optimum_neuron_torch
@@ -38,12 +39,19 @@ def _absolute(path: Path, module: str | None, level: int) -> str:
     return ".".join(base + ([module] if module else []))
 
 
+def _touches_the_environment(path: Path) -> bool:
+    """Whether the code of `path` (not its docstrings or comments) uses `os.environ` or `os.getenv`."""
+    return any(isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv")
+               and isinstance(node.value, ast.Name) and node.value.id == "os"
+               for node in ast.walk(ast.parse(path.read_text())))
+
+
 def test_environment_variables_are_read_in_the_settings_module_only():
-    readers = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
-                     if "os.environ.get(" in path.read_text() or "os.getenv(" in path.read_text())
-    # commands/env.py reports variables (that is its job); compiler/artifact.py saves and restores
-    # Inductor's cache variable around a compile (it sets it).
-    assert readers == ["commands/env.py", "compiler/artifact.py", "settings.py"]
+    users = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py") if _touches_the_environment(path))
+    # Besides settings.py, two modules set a variable for another program, and read nothing else:
+    # compiler/artifact.py, Inductor's cache folder around a compile (restored after); commands/launch.py,
+    # torch's launcher's shutdown timeout for a server's drain.
+    assert users == ["commands/launch.py", "compiler/artifact.py", "settings.py"]
 
 
 def test_no_module_imports_the_package_top_or_the_reference_devices_internals():
@@ -85,3 +93,46 @@ def test_imports_run_downward_through_the_layers():
                 below = _rank(imported) < _rank(source) and (
                     _rank(imported)[0] < _rank(source)[0] or LAYERS[_rank(source)[0]] == LAYERS[0])
                 assert below, f"{path.relative_to(PACKAGE)} imports {imported}, which is not below {source}"
+
+
+# Where the backend is chosen (`device/selection.py`) and the one object that answers what differs
+# between TorchNeuron and the reference device (`device/backends.py`).
+BACKEND_HOMES = {"device/selection.py", "device/backends.py"}
+BACKEND_NAMES = {"torchneuron", "reference"}
+
+
+def _compares_a_backend_name(node: ast.AST) -> bool:
+    """A comparison (`==`, `!=`, `in`, ...) with the string `"torchneuron"` or `"reference"` on
+    either side, or inside a tuple, list or set compared with."""
+    if not isinstance(node, ast.Compare):
+        return False
+    for operand in (node.left, *node.comparators):
+        strings = operand.elts if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) else [operand]
+        if any(isinstance(value, ast.Constant) and value.value in BACKEND_NAMES for value in strings):
+            return True
+    return False
+
+
+def test_no_module_asks_which_backend_by_its_name():
+    comparisons = sorted(
+        f"{path.relative_to(PACKAGE)}:{node.lineno}"
+        for path in PACKAGE.rglob("*.py") if str(path.relative_to(PACKAGE)) not in BACKEND_HOMES
+        for node in ast.walk(ast.parse(path.read_text())) if _compares_a_backend_name(node)
+    )
+    assert comparisons == [], "ask `backend_info()`'s attributes (device/backends.py), not its name"
+
+
+def test_every_public_export_documents_its_arguments_and_an_example():
+    undocumented = []
+    for name in optimum_neuron_torch.__all__:
+        obj = getattr(optimum_neuron_torch, name)
+        if not (inspect.isfunction(obj) or inspect.isclass(obj)):
+            continue
+        doc = inspect.getdoc(obj) or ""
+        parameters = [parameter for parameter in inspect.signature(obj).parameters
+                      if parameter not in ("self", "args", "kwargs")]
+        missing = [section for section, needed in (("Args:", bool(parameters)), ("Example", True))
+                   if needed and section not in doc]
+        if missing:
+            undocumented.append(f"{name}: {', '.join(missing)}")
+    assert undocumented == []

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoConfig, LlamaForCausalLM
 
+import optimum_neuron_torch
 from optimum_neuron_torch.compatibility import default_inputs
-from optimum_neuron_torch.device import fallback_mode, set_fallback_mode
 from optimum_neuron_torch.loading import load_pretrained
 from optimum_neuron_torch.modeling import (
     NeuronAutoModel,
@@ -48,19 +48,21 @@ def test_default_inputs_are_seeded_token_ids_with_a_mask():
     assert first["decoder_input_ids"].shape == (1, 5) and first["use_cache"] is False
 
 
-def test_set_fallback_mode_refuses_or_allows_ops_without_a_native_kernel():
-    previous = fallback_mode()
+def test_the_backends_fallback_mode_refuses_or_allows_ops_without_a_native_kernel():
+    backend = optimum_neuron_torch.backend_info()
+    previous = backend.fallback_mode()
     x = torch.rand(4).to("neuron")
     try:
-        set_fallback_mode("error")
+        backend.set_fallback_mode("error")
         with pytest.raises(NotImplementedError, match="lgamma"):
             torch.lgamma(x)
-        set_fallback_mode("silent")
+        backend.set_fallback_mode("silent")
         assert_same(torch.lgamma(x), torch.lgamma(x.cpu()))
         with pytest.raises(ValueError, match="unknown fallback policy 'loud'"):
-            set_fallback_mode("loud")
+            backend.set_fallback_mode("loud")
+        assert backend.fallback_mode() == "silent"
     finally:
-        set_fallback_mode(previous)
+        backend.set_fallback_mode(previous)
 
 
 def test_register_patch_adds_a_named_patch_once():

@@ -31,15 +31,15 @@ def test_a_boolean_flag_that_is_unset_takes_its_default_and_a_bad_one_is_named(m
 
 def test_choices(monkeypatch):
     monkeypatch.delenv(settings.FALLBACK_ENV, raising=False)
-    assert settings.fallback_mode() == "warn"
+    assert settings.requested_fallback_mode() == "warn"
     monkeypatch.setenv(settings.FALLBACK_ENV, " Error ")
-    assert settings.fallback_mode() == "error"
+    assert settings.requested_fallback_mode() == "error"
     monkeypatch.setenv(settings.FALLBACK_ENV, "")
-    assert settings.fallback_mode() == "warn"
+    assert settings.requested_fallback_mode() == "warn"
     monkeypatch.setenv(settings.FALLBACK_ENV, "strict")
     with pytest.raises(ConfigurationError,
                        match=r"^OPTIMUM_NEURON_TORCH_FALLBACK='strict' must be one of warn, error, silent\.$"):
-        settings.fallback_mode()
+        settings.requested_fallback_mode()
     monkeypatch.setenv(settings.BACKEND_ENV, "cuda")
     with pytest.raises(ConfigurationError, match="must be one of auto, torchneuron, reference"):
         settings.requested_backend()

@@ -618,15 +618,19 @@ def test_fallback_policy_on_torchneuron(torchneuron, launch_blocking):
             def forward(self, x):
                 return torch.roll(x, 1)  # not native either
 
-        ont.set_fallback_policy("warn")  # asked for: every module is observed
+        ont.set_fallback_policy("warn")  # asked for: every module of the watched models is observed
+        roll = Roll()
+        watch(roll)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             x = torch.sort(x)[0]  # outside any module
-            Roll()(x)
+            roll(x)
         print("warn:", [str(w.message).split(";")[0] for w in caught if "fell back" in str(w.message)])
         print("policy:", ont.get_fallback_policy(), "ops:", ont.fallback_ops())
+        print("observed:", sum(len(m._forward_pre_hooks) for m in (*net.modules(), *roll.modules())),
+              "global hooks:", len(modules._global_forward_pre_hooks) + len(modules._global_forward_hooks))
         if os.fork() == 0:  # a forked child cannot use the runtime: nothing observes its modules
-            os._exit(len(modules._global_forward_pre_hooks) + len(modules._global_forward_hooks))
+            os._exit(sum(len(m._forward_pre_hooks) for m in (*net.modules(), *roll.modules())))
         print("forked child's hooks:", os.WEXITSTATUS(os.wait()[1]))
         with ont.fallback_policy("error"):
             for attempt in range(2):  # the op was seen under warn: it must raise all the same, each time
@@ -656,6 +660,7 @@ def test_fallback_policy_on_torchneuron(torchneuron, launch_blocking):
         ("warn: [\"Operator 'aten::sort.values_stable' fell back to CPU (outside any module)\", "
          "\"Operator 'aten::roll' fell back to CPU (during a call of 'Roll')\"]"),
         "policy: warn ops: ['aten::argmax.out', 'aten::normal_', 'aten::roll', 'aten::sort.values_stable']",
+        "observed: 4 global hooks: 0",  # (Net, its body and head, Roll: one pre-hook each)
         "forked child's hooks: 0",
         "error: Operator 'aten::argmax.out' fell back to CPU in module 'Net.head'",
         "error: Operator 'aten::argmax.out' fell back to CPU in module 'Net.head'",
@@ -754,8 +759,8 @@ def test_the_standin_neuron_process_group_runs_collectives_and_the_library_s_mes
         import optimum_neuron_torch as ont
         from optimum_neuron_torch import object_collectives
         from optimum_neuron_torch.errors import RankFailedError
-        from optimum_neuron_torch.generation.tensor_parallel import gather_keys, share_random_state
-        from optimum_neuron_torch.loading.tensor_parallel import agree
+        from optimum_neuron_torch.generation.split_model import gather_keys, share_random_state
+        from optimum_neuron_torch.loading.sharding import agree
 
         dist.init_process_group()  # no backend named: `neuron` for the neuron device
         rank = dist.get_rank()

@@ -7,7 +7,6 @@ import sys
 from ..compiler import remote
 from ..compiler.cache import CompileCache
 from ..device import backend_info
-from ..settings import neff_cache_dir
 
 
 def list_cache() -> None:
@@ -38,8 +37,9 @@ def print_cache_stats() -> None:
     print(f"compiled functions (warm starts without tracing): {functions}")
     print(f"size: {sum(entry.size for entry in entries) / 2**20:.2f} MiB")
     print(f"compile time stored: {sum(entry.metadata.get('compile_seconds', 0) for entry in entries):.1f} s")
-    if backend_info().name == "torchneuron":
-        print(f"TorchNeuron compiles through its own NEFF cache: {neff_cache_dir()}")
+    neff_cache = backend_info().neff_cache
+    if neff_cache is not None:
+        print(f"TorchNeuron compiles through its own NEFF cache: {neff_cache}")
 
 
 def clear_cache() -> None:

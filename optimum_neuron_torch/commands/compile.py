@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from ..compiler.cache import cache_stats, reset_cache_stats
 from ..device import backend_info
 from ..loading.checkpoint import NEURON_GENERATION_NAME
-from ..settings import compile_cache_dir, neff_cache_dir
+from ..settings import compile_cache_dir
 from .launch import is_first_rank
 from .models import load_generative_model
 
@@ -21,13 +21,15 @@ from .models import load_generative_model
 def compile_model(model_id: str, batch_sizes: tuple[int, ...] | None = None,
                   prompt_buckets: tuple[int, ...] | None = None,
                   max_length: int | None = None, save: str | os.PathLike[str] | None = None,
-                  tp_size: int = 1, context_buckets: tuple[int, ...] | None = None, dry_run: bool = False) -> None:
+                  tp_size: int = 1, context_buckets: tuple[int, ...] | None = None, dry_run: bool = False,
+                  dtype: str | None = None) -> None:
     """Runs `model.precompile()` for these buckets (None: the model's own), with its progress bar,
     prints how many graphs were compiled and how many were loaded from the cache, and saves the
     model, its compiled graphs and its tokenizer (when it has one) in `save`. With `dry_run`, prints
     the graphs it would compile (the compile bill) and compiles nothing. With `tp_size` above 1 this
-    process is one rank of a job of `tp_size` (see `launch`); rank 0 reports."""
-    model = load_generative_model(model_id, tp_size)
+    process is one rank of a job of `tp_size` (see `launch`); rank 0 reports. `dtype`: the weights'
+    (None: the checkpoint's)."""
+    model = load_generative_model(model_id, tp_size, dtype)
     first = is_first_rank()
     # (the engine's decode steps that sample too: what `serve` runs, which then compiles nothing)
     sampling = True if model.neuron_generation.engine_gap is None else None
@@ -48,8 +50,9 @@ def compile_model(model_id: str, batch_sizes: tuple[int, ...] | None = None,
           f"prompt buckets {list(buckets.prompt_buckets)}, "
           f"max length {buckets.max_length}, context buckets {list(buckets.context_buckets)}"
           + (f", split between {tp_size} ranks" if tp_size > 1 else ""))
-    if backend_info().name == "torchneuron":
-        print(f"graphs compiled by TorchNeuron, in its NEFF cache: {neff_cache_dir()}")
+    neff_cache = backend_info().neff_cache
+    if neff_cache is not None:
+        print(f"graphs compiled by TorchNeuron, in its NEFF cache: {neff_cache}")
     else:
         print(f"{stats.misses} graphs compiled ({stats.compile_seconds:.1f} s), "
               f"{stats.hits} loaded from the compile cache "

@@ -16,30 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..device import backend_info
+from .. import settings
+from ..device import Backend, backend_info
 from ..fallbacks import get_fallback_policy
-from ..settings import (
-    LOCAL_RANK_ENV,
-    LOCAL_WORLD_SIZE_ENV,
-    NEFF_CACHE_DEFAULT,
-    NEFF_CACHE_ENV,
-    cache_dir,
-    compile_cache_dir,
-    neff_cache_dir,
-)
 
 PACKAGES = ("optimum-neuron-torch", "torch", "transformers", "optimum", "huggingface_hub", "torch-mlir")
-VARIABLE_PREFIXES = ("OPTIMUM_NEURON_TORCH_", "TORCH_NEURONX_", "NEURON_")
-# TorchNeuron's compiled-graph cache: its variables, and what applies when one is not set.
-NEFF_CACHE_VARIABLES = {
-    NEFF_CACHE_ENV: NEFF_CACHE_DEFAULT,
-    "TORCH_NEURONX_NEFF_LOCAL_CACHE_DIR": "/tmp/local_cache",
-    "TORCH_NEURONX_NEFF_CACHE_LOCK_TIMEOUT": "1200",
-    "TORCH_NEURONX_DISABLE_NEFF_CACHE": "unset (cache on)",
-    "TORCH_NEURONX_NEFF_DISABLE_CACHE": "unset (cache on)",
-}
-VARIABLES = ("TORCH_DEVICE_BACKEND_AUTOLOAD", "HF_HUB_OFFLINE", "HF_HOME", "HF_HUB_CACHE",
-             "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_OFFLINE", "XDG_CACHE_HOME", "CXX", "OMP_NUM_THREADS")
 
 
 def _version(package: str) -> str:
@@ -71,14 +52,10 @@ def _starting_environment() -> dict[str, str] | None:
     return {name: value for name, _, value in pairs}
 
 
-def _relevant(name: str) -> bool:
-    return name.startswith(VARIABLE_PREFIXES) or name in VARIABLES
-
-
 def _variables() -> tuple[dict[str, str], dict[str, str]]:
     """(set by the user, set inside the process: TorchNeuron's defaults), relevant variables only."""
     starting = _starting_environment()
-    current = {name: value for name, value in sorted(os.environ.items()) if _relevant(name)}
+    current = settings.reported_variables()
     if starting is None:
         return current, {}
     user = {name: value for name, value in current.items() if starting.get(name) == value}
@@ -96,23 +73,23 @@ def _devices() -> list[dict[str, Any]]:
     return devices
 
 
-def _distributed(backend: str) -> dict[str, Any]:
+def _distributed(backend: Backend) -> dict[str, Any]:
     """The `neuron` process-group backend, and this process's place in a launched job (torchrun's
     variables, or the initialized process group's rank and size)."""
     if not (dist.is_available() and "neuron" in dist.Backend.backend_list):
         return {"backend": None, "transport": None, "default_for_neuron_devices": None}
     report: dict[str, Any] = {
         "backend": "neuron",
-        "transport": "TorchNeuron's collectives" if backend == "torchneuron" else "gloo over host views",
+        "transport": backend.collective_transport,
         "default_for_neuron_devices": dist.Backend.default_device_backend_map.get("neuron"),
     }
     if dist.is_initialized():
         report["rank"], report["world_size"] = dist.get_rank(), dist.get_world_size()
-    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        report["rank"], report["world_size"] = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if LOCAL_RANK_ENV in os.environ:
-        report["local_rank"] = int(os.environ[LOCAL_RANK_ENV])
-        report["local_world_size"] = int(os.environ.get(LOCAL_WORLD_SIZE_ENV, "1"))
+    elif settings.launched():
+        report["rank"], report["world_size"] = settings.launcher_rank(), settings.launcher_world_size()
+    if settings.launched_locally():
+        report["local_rank"] = settings.launcher_local_rank()
+        report["local_world_size"] = settings.launcher_local_world_size()
         report["device"] = f"neuron:{torch.neuron.current_device()}"
     return report
 
@@ -120,15 +97,14 @@ def _distributed(backend: str) -> dict[str, Any]:
 def environment_report() -> dict[str, Any]:
     """The report, as plain data (what `--format json` prints)."""
     info = backend_info()
-    caches = {"library": str(cache_dir()), "compile": str(compile_cache_dir())}
+    caches = {"library": str(settings.cache_dir()), "compile": str(settings.compile_cache_dir())}
     user_variables, process_variables = _variables()
     extra: dict[str, Any] = {}
-    if info.name == "torchneuron":
-        caches["torchneuron_neff"] = str(neff_cache_dir())
+    if info.neff_cache is not None:
+        caches["torchneuron_neff"] = str(info.neff_cache)
+        extra["neff_cache_variables"] = settings.neff_cache_variables()
+    if info.sets_defaults_at_import:  # (told apart from what the user set)
         extra["torchneuron_defaults"] = process_variables
-        extra["neff_cache_variables"] = {
-            name: os.environ.get(name, f"{default} (default)") for name, default in NEFF_CACHE_VARIABLES.items()
-        }
     else:
         user_variables = {**user_variables, **process_variables}
     return {
@@ -139,7 +115,7 @@ def environment_report() -> dict[str, Any]:
         "devices": _devices(),
         "profile": info.profile,
         "fallback_policy": get_fallback_policy(),
-        "distributed": _distributed(info.name),
+        "distributed": _distributed(info),
         "caches": caches,
         "environment_variables": user_variables,
         **extra,

@@ -45,11 +45,12 @@ def prompt_inputs(tokenizer: PreTrainedTokenizerBase, prompt: str, chat_template
 def generate(model_id: str | None, prompt: str | None, *, max_new_tokens: int = 256, do_sample: bool = False,
              temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
              seed: int | None = None, chat_template: bool = True, system: str | None = None,
-             tp_size: int = 1) -> None:
+             tp_size: int = 1, dtype: str | None = None) -> None:
     """Streams the answer of `model_id` (default: the library's default model) to `prompt` (default:
     stdin) on stdout. Decoding is greedy unless `do_sample`; the sampling settings left at None
     keep the model's generation config. With `tp_size` above 1 this process is one rank of a job
-    of `tp_size` (see `launch`): every rank generates, rank 0 writes."""
+    of `tp_size` (see `launch`): every rank generates, rank 0 writes. `dtype`: the weights' (None: the
+    checkpoint's)."""
     sampling = {name: value for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))
                 if value is not None}
     if sampling and not do_sample:
@@ -58,7 +59,7 @@ def generate(model_id: str | None, prompt: str | None, *, max_new_tokens: int = 
     text = read_prompt(prompt)
     if model_id is None:
         model_id = str(default_model_path())
-    model = load_generative_model(model_id, tp_size)
+    model = load_generative_model(model_id, tp_size, dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_id)
     inputs = prompt_inputs(tokenizer, text, chat_template, system).to(model.device)
     if seed is not None:

@@ -2,7 +2,7 @@
 
 With `--tp-size N` this process is one rank of a job of N (see `launch`): every rank loads its
 part of the model and builds the same engine; rank 0 serves HTTP and schedules, the others run the
-device calls it sends them (`generation.tensor_parallel.StepBroadcast`).
+device calls it sends them (`generation.split_model.StepBroadcast`).
 """
 
 from __future__ import annotations
@@ -14,20 +14,19 @@ from transformers import AutoTokenizer, PreTrainedModel
 from .. import settings
 from ..errors import MissingDependencyError
 from ..generation.buckets import Buckets
-from ..loading import default_model_path
+from ..loading import DEFAULT_MODEL, default_model_path
 from .launch import is_first_rank
 from .models import load_generative_model
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # what clients call the default model
 DRAIN_SECONDS = 120  # after SIGTERM, how long the requests running may take to finish
 
 
 def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int | None = None,
           max_length: int | None = None,
           prompt_buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
-          api_key: str | None = None, tp_size: int = 1) -> None:
+          api_key: str | None = None, tp_size: int = 1, dtype: str | None = None) -> None:
     """Serves `model_id` (default: the library's default model) until SIGTERM or Ctrl-C; clients
-    name it `model_id` (or `SmolLM2-135M-Instruct`). The engine runs `serving_buckets`.
+    name it `model_id` (or `DEFAULT_MODEL`, `SmolLM2-135M-Instruct`). The engine runs `serving_buckets`.
 
     Raises:
         MissingDependencyError: FastAPI, uvicorn or openai is not installed (the `serve` extra).
@@ -35,13 +34,13 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int 
     """
     try:
         from ..generation.engine import GenerationEngine
-        from ..generation.tensor_parallel import StepBroadcast
+        from ..generation.split_model import StepBroadcast
         from ..serving.server import run_server
     except ImportError as error:
         raise MissingDependencyError(f"serving needs the package {error.name}: "
                                      "pip install 'optimum-neuron-torch[serve]'") from None
     folder = str(default_model_path()) if model_id is None else model_id
-    model = load_generative_model(folder, tp_size)
+    model = load_generative_model(folder, tp_size, dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     buckets = serving_buckets(model, batch_size=batch_size, max_length=max_length, prompt_buckets=prompt_buckets)
     engine = GenerationEngine(model, buckets, tokenizer, prefill_budget=prefill_budget,
@@ -52,7 +51,8 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int 
             signal.signal(sig, signal.SIG_IGN)
         engine.follow()
         return
-    run_server(engine, model_id or DEFAULT_MODEL_NAME, host=host, port=port, drain_seconds=DRAIN_SECONDS,
+    run_server(engine, model_id or DEFAULT_MODEL,  # (what clients call the default model)
+               host=host, port=port, drain_seconds=DRAIN_SECONDS,
                api_key=api_key if api_key is not None else settings.serving_api_key())
 
 

@@ -82,6 +82,7 @@ class CompatibilityReport:
     architecture: str
     backend: str
     profile: str
+    dtype: str = ""  # the dtypes of the model's parameters, as checked
     verdict: str = RUNS_NATIVELY
     fallbacks: list[OpFallback] = field(default_factory=list)
     graph_count: int | None = None
@@ -188,7 +189,8 @@ class CompatibilityReport:
 
     def to_text(self) -> str:
         lines = [f"Compatibility of {self.model} ({self.architecture}) with TorchNeuron",
-                 f"backend {self.backend}, profile {self.profile}", f"verdict: {self.verdict}", ""]
+                 f"backend {self.backend}, profile {self.profile}, dtype {self.dtype}", f"verdict: {self.verdict}",
+                 ""]
         for title, items in self._sections():
             lines += [f"{title}:", *(f"  - {item}" for item in items), ""]
         return "\n".join(lines).rstrip() + "\n"
@@ -196,7 +198,8 @@ class CompatibilityReport:
     def to_markdown(self) -> str:
         lines = [f"# Compatibility of `{self.model}` with TorchNeuron", "",
                  f"**Verdict: {self.verdict}**", "",
-                 f"Architecture `{self.architecture}`, backend `{self.backend}`, profile `{self.profile}`.", ""]
+                 f"Architecture `{self.architecture}`, backend `{self.backend}`, profile `{self.profile}`, "
+                 f"dtype `{self.dtype}`.", ""]
         for title, items in self._sections():
             lines += [f"## {title}", "", *(f"- {item}" for item in items), ""]
         return "\n".join(lines).rstrip() + "\n"

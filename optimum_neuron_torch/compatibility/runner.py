@@ -101,9 +101,9 @@ def _first(counts: Counter) -> list[str]:
 
 
 @contextlib.contextmanager
-def _fallbacks_by_module() -> Iterator[tuple[Counter, ModuleStack]]:
-    """Counts fallback calls per (op, innermost calling module) inside the block; also yields the
-    module stack, for other recorders."""
+def _fallbacks_by_module(model: torch.nn.Module) -> Iterator[tuple[Counter, ModuleStack]]:
+    """Counts fallback calls per (op, innermost calling module of `model`) inside the block; also
+    yields the module stack, for other recorders."""
     counts: Counter = Counter()
     seen = {op: stats.calls or 1 for op, stats in fallback_stats().items()}
 
@@ -114,7 +114,7 @@ def _fallbacks_by_module() -> Iterator[tuple[Counter, ModuleStack]]:
                 counts[(op, stack.current if stack and stack.current else OUTSIDE_MODULES)] += calls - seen.get(op, 0)
                 seen[op] = calls
 
-    with observing_modules(attribute, attribute) as stack:
+    with observing_modules(model, attribute, attribute) as stack:
         yield counts, stack
     attribute(None)
 
@@ -124,7 +124,7 @@ def _eager_run(model: torch.nn.Module, inputs: Inputs, report: CompatibilityRepo
     shapes it met, any error."""
     clear_op_tracking()
     error = None
-    with fallback_policy("silent"), _fallbacks_by_module() as (counts, stack), _OpRecorder(stack) as recorder:
+    with fallback_policy("silent"), _fallbacks_by_module(model) as (counts, stack), _OpRecorder(stack) as recorder:
         try:
             with torch.no_grad():
                 model(*inputs[0], **inputs[1])
@@ -192,7 +192,7 @@ def _torchneuron_graphs() -> Iterator[list[int | None] | None]:
     `neuron` backend compiled in it (it records a compilation entry per graph it compiled, NEFF cache
     hits included), or None when it cannot tell. In the block, a compiled graph that fails on the
     device raises, instead of TorchNeuron re-running it eagerly."""
-    if backend_info().name != "torchneuron":
+    if not backend_info().compiles_itself:
         yield None
         return
     compiled: list[int | None] = []
@@ -332,11 +332,12 @@ def default_inputs(model: PreTrainedModel, sequence_length: int = 16) -> dict[st
     return inputs
 
 
-def _load(model_id: str | os.PathLike[str]) -> PreTrainedModel:
-    """The model for `model_id`, through the Neuron Auto class of its architecture, unpatched. The
-    checkpoint is resolved first, so that a wrong name or folder gets the loader's error."""
+def _load(model_id: str | os.PathLike[str], dtype: torch.dtype | str | None) -> PreTrainedModel:
+    """The model for `model_id`, through the Neuron Auto class of its architecture, unpatched, in
+    `dtype` (None: the checkpoint's). The checkpoint is resolved first, so that a wrong name or
+    folder gets the loader's error."""
     config = AutoConfig.from_pretrained(resolve_checkpoint(model_id).folder)
-    return modeling.neuron_auto_class_for(config).from_pretrained(model_id, patches=False)
+    return modeling.neuron_auto_class_for(config).from_pretrained(model_id, patches=False, dtype=dtype)
 
 
 def _removed(before: list, after: list, key: str) -> list:
@@ -366,7 +367,7 @@ def _to_device(value: Any) -> Any:
 def check(model_or_id: torch.nn.Module | str | os.PathLike[str],
           example_inputs: Mapping[str, Any] | Sequence[Any] | None = None, *,
           sequence_length: int = 16, patches: bool = True, compile: bool = True,
-          training: bool = False) -> CompatibilityReport:
+          training: bool = False, dtype: torch.dtype | str | None = None) -> CompatibilityReport:
     """Reports what a model will hit on TorchNeuron, before anyone rents a Trn instance: ops that
     fall back to the CPU (with the modules calling them), graph breaks, ops that do not lower to
     StableHLO, dtypes narrowed or missing, ops with value-dependent shapes, the patches it needs, and
@@ -400,6 +401,9 @@ def check(model_or_id: torch.nn.Module | str | os.PathLike[str],
             the CPU (TorchNeuron's native ops cover far fewer backward ops than forward ones), and
             with `compile`, the training forward's graph breaks and whether its forward and
             backward graphs compile and lower to StableHLO.
+        dtype (`torch.dtype` or `str`, *optional*):
+            The dtype to load a model named by id or folder in (`torch.bfloat16` or `"bfloat16"`;
+            default: the checkpoint's). A model object is checked in its own dtype.
 
     Returns:
         [`~optimum_neuron_torch.compatibility.CompatibilityReport`]: the findings and the verdict;
@@ -407,7 +411,8 @@ def check(model_or_id: torch.nn.Module | str | os.PathLike[str],
 
     Raises:
         [`~optimum_neuron_torch.errors.ArgumentTypeError`]:
-            If `example_inputs` is neither a dict, a tuple nor a list.
+            If `example_inputs` is neither a dict, a tuple nor a list, or `dtype` is given with a
+            model object.
         [`~optimum_neuron_torch.errors.CheckpointError`]:
             If `model_or_id` names a checkpoint that cannot be found or loaded.
         [`~optimum_neuron_torch.errors.UnsupportedModelError`]:
@@ -430,16 +435,20 @@ def check(model_or_id: torch.nn.Module | str | os.PathLike[str],
     """
     by_name = isinstance(model_or_id, (str, os.PathLike))
     given_inputs = None if example_inputs is None else _split_inputs(example_inputs)
-    model = _load(model_or_id) if by_name else model_or_id
+    if dtype is not None and not by_name:
+        raise ArgumentTypeError(f"check(dtype={dtype!r}) applies to a model named by id or folder; a model object is "
+                                "checked in its own dtype (convert it with `model.to(dtype)` first)")
+    model = _load(model_or_id, dtype) if by_name else model_or_id
     model.to("neuron").eval()
     inputs = given_inputs if given_inputs is not None else _split_inputs(default_inputs(model, sequence_length))
     info = backend_info()
-    report = CompatibilityReport(
-        model=str(model_or_id) if by_name else getattr(model, "name_or_path", "") or type(model).__name__,
-        architecture=type(model).__name__, backend=f"{info.name} {info.version}",
-        profile="torchneuron" if info.name == "reference" else info.profile,
-    )
     with support_profile("torchneuron"), warnings.catch_warnings():
+        report = CompatibilityReport(
+            model=str(model_or_id) if by_name else getattr(model, "name_or_path", "") or type(model).__name__,
+            architecture=type(model).__name__, backend=f"{info.name} {info.version}",
+            profile=info.profile,  # (the run's: TorchNeuron's op list on the reference device)
+            dtype=", ".join(sorted({str(parameter.dtype).removeprefix("torch.") for parameter in model.parameters()})),
+        )
         warnings.simplefilter("ignore")  # everything a warning would say is in the report
         _eager_run(model, inputs, report)
         needed = [patch.name for patch in patches_for(model)] if patches else []

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..device import backend_info
-from ..errors import LoweringError, first_line
+from ..errors import LoweringError, UncacheableGraph, first_line
 from ..host import compiler_version
 from . import stablehlo
 
@@ -49,8 +49,8 @@ def compile_environment() -> dict[str, str]:
         "python": sys.implementation.cache_tag,
         "platform": sys.platform,
     }
-    if info.name == "torchneuron":
-        return {**found, "torchneuron": info.version}
+    if info.compiles_itself:  # (its version names its compiler; its own cache keys cover the rest)
+        return {**found, info.name: info.version}
     compiler = get_cpp_compiler()
     return {
         **found,
@@ -151,16 +151,6 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
     (folder / GRAPH_FILE).write_bytes(serialized)
     metadata["compile_seconds"] = round(time.perf_counter() - start, 3)
     return metadata
-
-
-class UncacheableGraph(Exception):
-    """Raised by `compile_into` for a graph that compiled but that AOTAutograd would not make
-    serializable (it bypasses its cache for, e.g., autocast inside activation checkpointing): it
-    carries the compiled graph, which runs in this process only."""
-
-    def __init__(self, compiled: Callable[..., Any], reason: str) -> None:
-        super().__init__(reason)
-        self.compiled = compiled
 
 
 def _lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Path, strict: bool,

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..errors import LoweringError, UnsupportedGraphError, first_line
+from ..errors import LoweringError, UncacheableGraph, UnsupportedGraphError, first_line
 from . import artifact, partition
 from .cache import STATS, CompileCache, graph_key
 
@@ -122,7 +122,7 @@ def compile_cached(gm: torch.fx.GraphModule, example_inputs: list[Any], options:
     cache = CompileCache()
     try:
         entry, built = cache.get_or_build(key, build)
-    except artifact.UncacheableGraph as uncacheable:
+    except UncacheableGraph as uncacheable:
         STATS.misses += 1
         STATS.uncached += 1
         STATS.compile_seconds += time.perf_counter() - start

@@ -49,7 +49,8 @@ from . import partition
 from .precompiled import PrecompiledFunction
 
 INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
-DEVICE_BACKEND = "neuron"  # the device's own backend: TorchNeuron's, or the reference device's
+# The device's own compile backend: TorchNeuron's, or the library's on the reference device.
+NEURON_COMPILE_BACKEND = "neuron"
 
 CompileGraph = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
 
@@ -112,7 +113,7 @@ def backend(gm: torch.fx.GraphModule, example_inputs: list[Any], **kwargs: Any) 
     `kwargs`, e.g. `options`), see `compile_regions`, each part split around the nodes TorchNeuron's
     compiler cannot take (`partition.compile_or_split`). The backend of the library's own compiled
     paths, on both backends."""
-    device_backend = lookup_backend(DEVICE_BACKEND)
+    device_backend = lookup_backend(NEURON_COMPILE_BACKEND)
 
     def compile_graph(graph: torch.fx.GraphModule, inputs: list[Any]) -> Callable[..., Any]:
         return partition.compile_or_split(graph, inputs, lambda piece, examples: device_backend(piece, examples,
@@ -147,9 +148,9 @@ def compile_by_layer(function: Callable[..., Any], *, whole_because: str | None 
         >>> step = regions.compile_by_layer(lambda model, ids: model(ids).logits, fullgraph=True)  # doctest: +SKIP
         >>> logits = step(model, ids)  # doctest: +SKIP
     """
-    device_backend = options.pop("backend", DEVICE_BACKEND)
-    if device_backend != DEVICE_BACKEND:
-        raise ValueError(f"compile_by_layer compiles for the device's backend {DEVICE_BACKEND!r}, "
+    device_backend = options.pop("backend", NEURON_COMPILE_BACKEND)
+    if device_backend != NEURON_COMPILE_BACKEND:
+        raise ValueError(f"compile_by_layer compiles for the device's compile backend {NEURON_COMPILE_BACKEND!r}, "
                          f"not {device_backend!r}")
     return LayerwiseCompiled(function, options, whole_because)
 

@@ -105,8 +105,8 @@ def _local_entries(cache: CompileCache) -> Iterator[_Local]:
     """The entries this backend compiled: the compile cache's (on TorchNeuron, which compiles through
     its own cache, the compiled functions saved for warm starts only), and on TorchNeuron the NEFF
     cache's files."""
-    if backend_info().name == "torchneuron":
-        root = neff_cache_dir()
+    root = backend_info().neff_cache
+    if root is not None:
         for path in sorted(root.rglob("*")) if root.is_dir() else ():
             name = path.relative_to(root).as_posix()
             if path.is_file() and not path.name.endswith((".tmp", ".lock")) and not name.startswith(STAGING):
@@ -211,7 +211,7 @@ def pull(source: str, cache: CompileCache | None = None) -> TransferReport:
     """
     cache = cache or CompileCache()
     fs, root = _file_system(source)
-    kinds = (NEFF, GRAPH) if backend_info().name == "torchneuron" else (GRAPH,)
+    kinds = (NEFF, GRAPH) if backend_info().neff_cache is not None else (GRAPH,)
     here = compile_environment()
     report = TransferReport()
     try:

@@ -1,7 +1,7 @@
 """Choosing the process's `neuron` backend: TorchNeuron when it is there, else the reference device.
 
 The choice is made once per process. `OPTIMUM_NEURON_TORCH_BACKEND=auto|torchneuron|reference`
-forces it. Nothing else in the library needs to know which backend is active.
+forces it. The rest of the library asks the `Backend` made here (see `backends.py`).
 
 How TorchNeuron is recognised (`auto`):
 - it has registered the `neuron` device already: PyTorch autoloads it at `import torch` through
@@ -13,7 +13,7 @@ entry point and registers no `neuron` device; with it, or on a machine without N
 reference device is used, with one warning.
 
 Activation never starts TorchNeuron's runtime: a process that forks afterwards can still use the
-device. Device properties are read when first asked for (`BackendInfo.device_memory`).
+device. Device properties are read when first asked for (`Backend.device_memory`).
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ import importlib
 import importlib.metadata
 import importlib.util
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from ..errors import BackendConflictError, BackendUnavailableError
 from ..settings import AUTOLOAD_ENV, BACKEND_ENV, requested_backend
 from ..version import __version__
+from .backends import Backend, ReferenceBackend, TorchNeuronBackend
 
 TORCHNEURON_MODULE = "torch_neuronx"
 # Device files the Neuron driver creates, one per Neuron device: present on a Trn instance only.
@@ -37,58 +37,7 @@ NEURON_DEVICE_FILES = "/dev/neuron[0-9]*"
 _UNCLAIMED = "privateuseone"
 
 
-@dataclass(frozen=True)
-class BackendInfo:
-    """The active backend: its name, version, support profile and devices.
-
-    Attributes:
-        name: `"torchneuron"` or `"reference"`.
-        version: TorchNeuron's version, or this library's for the reference device.
-        profile: the ops that run natively: `"hardware"` on TorchNeuron, the reference device's
-            support profile (`"torchneuron"`, `"full"` or an op list) otherwise.
-        device_count: `neuron` devices this process sees.
-        torch_version: PyTorch's version.
-        fallback: the fallback policy in force now (`warn`, `error` or `silent`), on both backends.
-        device_memory: memory of one device in bytes.
-    """
-
-    name: str
-    version: str
-    device_count: int
-    torch_version: str = torch.__version__
-
-    @property
-    def profile(self) -> str:
-        """The ops that run natively: `hardware` on TorchNeuron, else the reference device's current
-        support profile."""
-        if self.name != "reference":
-            return "hardware"
-        from . import reference
-
-        return reference.state().profile.name
-
-    @property
-    def fallback(self) -> str:
-        """The fallback policy in force now: `warn`, `error` or `silent` (see `set_fallback_policy`)."""
-        from . import fallback_mode
-
-        return fallback_mode()
-
-    @property
-    def device_memory(self) -> int:
-        """Memory of one device in bytes (0 without devices). On TorchNeuron, asking starts its runtime."""
-        return torch.neuron.get_device_properties(0).total_memory if self.device_count else 0
-
-    def __str__(self) -> str:
-        # TorchNeuron's device properties would start its runtime: printing the backend must not.
-        memory = f" of {self.device_memory / 2**30:.1f} GiB" if self.name == "reference" else ""
-        return (
-            f"{self.name} {self.version} (profile {self.profile}, {self.device_count} device(s){memory}, "
-            f"fallback {self.fallback}, torch {self.torch_version})"
-        )
-
-
-_active: BackendInfo | None = None
+_active: Backend | None = None
 
 
 def _privateuse1_owner() -> str | None:
@@ -138,7 +87,7 @@ def _no_cores_error() -> BackendUnavailableError:
     )
 
 
-def _activate_torchneuron() -> BackendInfo:
+def _activate_torchneuron() -> Backend:
     if not torchneuron_registered():
         try:
             importlib.import_module(TORCHNEURON_MODULE)
@@ -156,14 +105,12 @@ def _activate_torchneuron() -> BackendInfo:
     count = torch.neuron.device_count()
     if count == 0:
         raise _no_cores_error()
-    return BackendInfo(
-        name="torchneuron",
-        version=getattr(importlib.import_module(TORCHNEURON_MODULE), "__version__", "unknown"),
-        device_count=count,
+    return TorchNeuronBackend(
+        version=getattr(importlib.import_module(TORCHNEURON_MODULE), "__version__", "unknown"), device_count=count
     )
 
 
-def _activate_reference() -> BackendInfo:
+def _activate_reference() -> Backend:
     if not _is_reference():
         if torchneuron_registered():
             raise BackendConflictError(
@@ -181,14 +128,10 @@ def _activate_reference() -> BackendInfo:
     from . import reference
 
     state = reference.activate()
-    return BackendInfo(
-        name="reference",
-        version=__version__,
-        device_count=state.settings.device_count,
-    )
+    return ReferenceBackend(version=__version__, device_count=state.settings.device_count)
 
 
-def _auto() -> BackendInfo:
+def _auto() -> Backend:
     """TorchNeuron where it can run, else the reference device (with a warning that says why)."""
     if torchneuron_registered():
         return _activate_torchneuron()  # no NeuronCores: an error, the `neuron` slot is TorchNeuron's
@@ -210,7 +153,7 @@ def _auto() -> BackendInfo:
     return _activate_reference()
 
 
-def activate() -> BackendInfo:
+def activate() -> Backend:
     """Activates the backend once per process and returns what is active."""
     global _active
     if _active is None:

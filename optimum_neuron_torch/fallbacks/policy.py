@@ -10,16 +10,22 @@ One policy holds for the process (`OPTIMUM_NEURON_TORCH_FALLBACK` sets it at sta
 the op runs. TorchNeuron's fallback never reports itself and records each op name once, so the
 library reads TorchNeuron's tracker (`get_fallback_ops()`) and acts after the fact, when the op has
 already run on the CPU:
-- `warn` by default: once per op, after each call of a model the library loaded (a forward hook of that
-  model; no wait for queued work: an op still queued is reported after a later call), so nothing
-  observes other modules and no model call waits; `fallback_ops()` lists everything. A policy set
-  explicitly (`OPTIMUM_NEURON_TORCH_FALLBACK=warn`, `set_fallback_policy("warn")`) observes every
-  module: at the start and end of each outermost module call, waiting for queued work;
+- `warn` by default: once per op, after each call of a watched model (a forward hook of that model;
+  no wait for queued work: an op still queued is reported after a later call), so no model call
+  waits; `fallback_ops()` lists everything. A policy set explicitly (`OPTIMUM_NEURON_TORCH_FALLBACK=warn`,
+  `set_fallback_policy("warn")`) observes the modules of the watched models: at the start and end of
+  each outermost module call, waiting for queued work;
 - `error`: entering `error` clears TorchNeuron's tracking (ops seen earlier count again); the tracker
-  is read whenever a module starts or ends, and a fallback raises there, naming the module that ran
-  it (the module that was running when the op ran: the one ending, or the one calling a submodule).
-  TorchNeuron's eager re-run of a compiled graph that fails on the device is turned off
+  is read whenever a module of a watched model starts or ends, and a fallback raises there, naming
+  the module that ran it (the module that was running when the op ran: the one ending, or the one
+  calling a submodule); what no watched module saw raises when a `fallback_policy("error")` block
+  ends. TorchNeuron's eager re-run of a compiled graph that fails on the device is turned off
   (`TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1` while the policy is `error`): the failure raises.
+
+The watched models are those the library loaded (`NeuronAutoModel*.from_pretrained`) and those passed
+to `watch(model)`. Nothing else of the process is observed: no global module hook, ever; the hooks
+on a watched model's modules are there while a policy needs them (`error`, or `warn` set explicitly
+on TorchNeuron, or `error` on the reference device to name the caller) and removed when it ends.
 """
 
 from __future__ import annotations
@@ -28,20 +34,25 @@ import contextlib
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Iterator
 
 import torch
 
-from ..device import backend_info, clear_op_tracking, fallback_mode, fallback_ops, set_fallback_mode
-from ..module_stack import ModuleStack, observing_modules
-from ..settings import FALLBACK_ENV, fallback_mode_is_set, replace_disable_fallback_execution
-from ..settings import fallback_mode as fallback_mode_at_start
+from ..device import backend_info, clear_op_tracking, fallback_ops
+from ..module_stack import ModuleObserver, ModuleStack
+from ..settings import FALLBACK_ENV, fallback_mode_is_set, replace_disable_fallback_execution, requested_fallback_mode
 
 FALLBACK_MESSAGE = "fell back to CPU"
+# The models whose fallbacks the policy tells about (see the module's docstring), and the policies
+# (one per process, more in tests) whose observers hook the modules of each.
+_watched: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+_policies: weakref.WeakSet[_Policy] = weakref.WeakSet()
 
 
 def _on_reference() -> bool:
-    return backend_info().name == "reference"
+    """Whether the device applies the policy to each op call itself (the reference device)."""
+    return backend_info().applies_policy_per_op
 
 
 class _Policy:
@@ -50,32 +61,37 @@ class _Policy:
     def __init__(self) -> None:
         self._mode = ""  # none yet: entering the first one is a change
         self.explicit = False  # set by the user (environment or call), not the default
-        self._observer: contextlib.ExitStack | None = None
+        self._observer: ModuleObserver | None = None
         self._reported: set[str] = set()
         self._user_execution_setting: str | None | bool = False  # (False: not replaced)
-        self.set(fallback_mode_at_start(), explicit=fallback_mode_is_set())
-        # A child forked from this process cannot use TorchNeuron's runtime: its module calls (a
-        # DataLoader worker's transforms) must not read the device's tracker.
-        os.register_at_fork(after_in_child=self._stop_observing)
+        self._forks_watched = False
+        _policies.add(self)
+        self.set(requested_fallback_mode(), explicit=fallback_mode_is_set())
 
     @property
     def mode(self) -> str:
-        return fallback_mode()
+        return backend_info().fallback_mode()
 
     def set(self, mode: str, explicit: bool = True) -> None:
-        set_fallback_mode(mode)  # validates it; the reference device applies it to every op call
+        backend_info().set_fallback_mode(mode)  # validates it; the reference device applies it to every op call
         if mode == "error" and self._mode != "error" and not _on_reference():
             clear_op_tracking()  # TorchNeuron records an op once: one seen before must raise now
         if not _on_reference():
             self._fail_fast(mode == "error")
         self._mode, self.explicit = mode, explicit
         # The reference device needs the observer only to name the caller of a refused op;
-        # TorchNeuron needs it to notice fallbacks in every module (by default, `watch` covers the
-        # models the library loaded).
+        # TorchNeuron needs it to notice fallbacks in each module of the watched models (by default,
+        # a hook after each of their calls does).
         needed = mode == "error" or (mode == "warn" and explicit and not _on_reference())
         if needed and self._observer is None:
-            self._observer = contextlib.ExitStack()
-            self._observer.enter_context(observing_modules(self._before_module, self._after_module))
+            if not self._forks_watched:  # (once, at the first observer: importing the library registers nothing)
+                # A child forked from this process cannot use TorchNeuron's runtime: its module calls (a
+                # DataLoader worker's transforms) must not read the device's tracker.
+                os.register_at_fork(after_in_child=self._stop_observing)
+                self._forks_watched = True
+            self._observer = ModuleObserver(self._before_module, self._after_module)
+            for model in list(_watched):
+                self._observer.observe(model)
             self._reported |= set(fallback_ops())
         elif not needed:
             self._stop_observing()
@@ -156,20 +172,37 @@ _policy = _Policy()
 
 
 def watch(model: torch.nn.Module) -> None:
-    """Warns, after each call of `model` (a model the library loaded), of the ops that fell back to the
-    CPU for the first time, on TorchNeuron under the default `warn` policy (see the module's docstring).
-    A forward hook of `model` only: other modules are not observed, and no call waits for the device.
+    """Puts `model` under the fallback policy's eye, as the models the library loads are (see the
+    module's docstring): on TorchNeuron under the default `warn` policy, the ops that fell back to the
+    CPU for the first time are told after each call of `model` (a forward hook of `model`; no call
+    waits for the device); under `error` (and `warn` set explicitly on TorchNeuron), the fallback is
+    named with the module of `model` that ran it. Other models are not observed.
 
     Args:
-        model: the model.
+        model (`torch.nn.Module`): a model of your own on the `neuron` device (those from
+            `NeuronAutoModel*.from_pretrained` are watched already). Watching it twice does nothing.
+
+    Example:
+        >>> from optimum_neuron_torch.fallbacks import watch
+        >>> watch(my_model)
+        >>> with optimum_neuron_torch.fallback_policy("error"):
+        ...     my_model(inputs)  # NotImplementedError: ... Called from module 'MyModel.head'.
     """
+    if model in _watched:
+        return
+    _watched.add(model)
+    for policy in list(_policies):
+        if policy._observer is not None:
+            policy._observer.observe(model)
     if not _on_reference():
         model.register_forward_hook(_after_model_call)
 
 
 def _after_model_call(module: torch.nn.Module, args: object, output: object) -> None:
-    # (a module-level function: a model saved whole with torch.save still pickles)
-    if _policy.mode == "warn" and not _policy.observing and not torch.compiler.is_compiling():
+    # (a module-level function: a model saved whole with torch.save still pickles; it stands down while an
+    # observer tells of the fallbacks module by module)
+    observed = any(policy.observing for policy in list(_policies))
+    if _policy.mode == "warn" and not observed and not torch.compiler.is_compiling():
         _policy._warn_new_fallbacks(type(module).__name__, wait=False)
 
 

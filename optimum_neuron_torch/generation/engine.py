@@ -48,7 +48,7 @@ from .buckets import Buckets, engine_plan
 from .padding import pad_token_id
 from .requests import Event, Request, SamplingSettings
 from .slots import SlotCache, SlotSteps
-from .tensor_parallel import StepBroadcast
+from .split_model import StepBroadcast
 from .text import TextStream
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from .interval_masks import compact
 from .native_ops import native_generation_ops
 from .neuron_generation import NeuronGeneration
 from .saving import restore, save
-from .tensor_parallel import tensor_parallel_mesh
+from .split_model import tensor_parallel_mesh
 
 
 class NeuronGenerationMixin:

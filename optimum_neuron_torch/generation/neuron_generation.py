@@ -31,9 +31,9 @@ from . import engine_calls
 from .buckets import Buckets, PlannedGraph, compile_bill, engine_plan
 from .engine import GenerationEngine
 from .slots import unsupported_by_slots
+from .split_model import share_random_state, tensor_parallel_mesh, whole_graphs_reason
 from .static_graphs import StaticGraphs
 from .static_plans import why_not_compiled
-from .tensor_parallel import share_random_state, tensor_parallel_mesh, whole_graphs_reason
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from ..loading.checkpoint import NEURON_COMPILED_DIR, NEURON_GENERATION_NAME
 from .buckets import Buckets
 from .compiling import COMPILE_CONFIG
 from .neuron_generation import NeuronGeneration
-from .tensor_parallel import gather_keys, tensor_parallel_mesh
+from .split_model import gather_keys, tensor_parallel_mesh
 
 TORCH_CACHE_ARTIFACTS = "torch_cache_artifacts"
 
@@ -53,7 +53,7 @@ def save(generation: NeuronGeneration, folder: Path) -> None:
     if mesh is not None:
         # The folder is emptied before any rank writes into it.
         object_collectives.barrier(mesh.get_group(), "saving compiled graphs")
-    if backend_info().name == "torchneuron":
+    if backend_info().compiles_itself:
         spec["torch_cache_artifacts"] = _save_torch_cache_artifacts(folder / _artifacts_file(mesh))
     else:
         cache = CompileCache()
@@ -109,7 +109,7 @@ def restore(folder: Path, model: PreTrainedModel) -> Buckets | None:
         )
         return buckets
     artifacts = folder / _artifacts_file(mesh)
-    if artifacts.is_file() and backend_info().name == "torchneuron":
+    if artifacts.is_file() and backend_info().compiles_itself:
         torch.compiler.load_cache_artifacts(artifacts.read_bytes())  # TorchNeuron puts the NEFFs in its cache
     cache = CompileCache()
     for key in spec.get("graphs", []):

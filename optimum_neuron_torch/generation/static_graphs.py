@@ -58,14 +58,14 @@ from .padding import (
     unpad,
 )
 from .sampling import SamplingParameters, sample
-from .static_cache import CacheLength, allocate, holds_states_only, sizes_by_cache_length
-from .static_plans import Shapes, plan, why_no_static_cache, why_not_compiled, why_padding_changes_outputs
-from .tensor_parallel import (
+from .split_model import (
     embeddings_without_padding_index,
     share_random_state,
     tensor_parallel_mesh,
     whole_graphs_reason,
 )
+from .static_cache import CacheLength, allocate, holds_states_only, sizes_by_cache_length
+from .static_plans import Shapes, plan, why_no_static_cache, why_not_compiled, why_padding_changes_outputs
 
 
 class StaticGraphs:

@@ -32,7 +32,7 @@ from ..errors import CheckpointError, InsufficientDeviceMemoryError
 from .checkpoint import Checkpoint
 from .pickled_file import PickledFile
 from .safetensors_file import SafetensorsFile
-from .tensor_parallel import as_parameter_value, local_bytes, local_piece, local_shape
+from .sharding import as_parameter_value, local_bytes, local_piece, local_shape
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,10 @@ from transformers.utils.generic import ContextManagers
 
 from .. import settings
 from ..errors import ArgumentTypeError, ConfigurationError, UnsupportedModelError
-from . import tensor_parallel
+from . import sharding
 from .checkpoint import GENERATION_CONFIG_NAME, Checkpoint, resolve_checkpoint
 from .loader import _open, check_device_memory, finalize, plan_loading, release, stream_into
+from .options import LoadOptions
 
 logger = logging.getLogger(__name__)
 
@@ -77,32 +78,21 @@ def build_on_meta(model_class: type, config: PretrainedConfig, dtype: torch.dtyp
 def load_pretrained(
     model_class: type,
     name_or_path: str | os.PathLike[str],
-    *,
-    revision: str | None = None,
-    dtype: DtypeLike = None,
-    device: torch.device | str = "neuron",
-    token: str | bool | None = None,
-    cache_dir: str | os.PathLike[str] | None = None,
-    local_files_only: bool = False,
-    trust_remote_code: bool = False,
-    allow_pickle: bool = False,
-    ignore_mismatched_sizes: bool = False,
-    attn_implementation: str | None = None,
-    distributed_config: DistributedConfig | dict | None = None,
-    tp_plan: str | dict[str, str] | None = None,
-    tp_size: int | None = None,
+    options: LoadOptions | None = None,
     **config_kwargs: Any,
 ) -> PreTrainedModel:
-    """Loads a Transformers model straight onto `device`, streaming its weights from disk. The
-    local folder it was read from is kept as `model.neuron_checkpoint_folder`. The arguments are
-    those of `NeuronAutoModel.from_pretrained` (which documents them), less `patches`.
+    """Loads a Transformers model straight onto `options.device`, streaming its weights from disk.
+    The local folder it was read from is kept as `model.neuron_checkpoint_folder`. The options are
+    those of `NeuronAutoModel.from_pretrained` (which documents them), less `patches`;
+    `config_kwargs` are config attributes to override.
 
     Under tensor parallelism (`distributed_config`, `tp_plan` or `tp_size`) every rank of the job
     runs this: each reads and keeps only its pieces of the split tensors, on its own device, and
-    each step that can fail on one rank is agreed on by all before the next (see `tensor_parallel`).
+    each step that can fail on one rank is agreed on by all before the next (see `sharding`).
     """
-    parallel = tensor_parallel.distributed_config(distributed_config, tp_plan, tp_size)
-    mesh_manager = tensor_parallel.start(parallel) if parallel is not None else None
+    options = options or LoadOptions()
+    parallel = sharding.distributed_config(options.distributed_config, options.tp_plan, options.tp_size)
+    mesh_manager = sharding.start(parallel) if parallel is not None else None
 
     def together(step: str, action: Callable[[], Any]) -> Any:
         """`action()`; under tensor parallelism every rank then learns whether it failed anywhere."""
@@ -111,14 +101,14 @@ def load_pretrained(
         try:
             result = action()
         except Exception as error:
-            tensor_parallel.agree(step, error)
-        tensor_parallel.agree(step, None)
+            sharding.agree(step, error)
+        sharding.agree(step, None)
         return result
 
     def resolve(offline: bool) -> Checkpoint:
         return resolve_checkpoint(
-            name_or_path, revision=revision, token=token, cache_dir=cache_dir,
-            local_files_only=local_files_only or offline, allow_pickle=allow_pickle,
+            name_or_path, revision=options.revision, token=options.token, cache_dir=options.cache_dir,
+            local_files_only=options.local_files_only or offline, allow_pickle=options.allow_pickle,
         )
 
     if parallel is None:
@@ -128,17 +118,17 @@ def load_pretrained(
         found = together("resolving the checkpoint", lambda: resolve(offline=False) if first_on_host else None)
         checkpoint = together("resolving the checkpoint", lambda: found or resolve(offline=True))
     config, unused = AutoConfig.from_pretrained(
-        checkpoint.folder, trust_remote_code=trust_remote_code, return_unused_kwargs=True, **config_kwargs
+        checkpoint.folder, trust_remote_code=options.trust_remote_code, return_unused_kwargs=True, **config_kwargs
     )
     if unused:
         raise ArgumentTypeError(
             f"from_pretrained() got arguments that are neither its own nor config attributes: {sorted(unused)}"
         )
-    if attn_implementation is not None:
-        config._attn_implementation = attn_implementation
+    if options.attn_implementation is not None:
+        config._attn_implementation = options.attn_implementation
     config.name_or_path = str(checkpoint.name)
-    concrete = _model_class(model_class, config, checkpoint, trust_remote_code)
-    device = torch.device(device)
+    concrete = _model_class(model_class, config, checkpoint, options.trust_remote_code)
+    device = torch.device(options.device)
     if device.index is None and device.type == "neuron":
         device = torch.device("neuron", torch.neuron.current_device())
 
@@ -148,23 +138,23 @@ def load_pretrained(
             """Everything before the first allocation: the files checked, the model on meta, split
             by the plan, matched with the checkpoint, and measured against the free memory."""
             files = _open(checkpoint, files_stack)
-            model_dtype = resolve_dtype(dtype, config, files)
+            model_dtype = resolve_dtype(options.dtype, config, files)
             if parallel is not None:
-                tensor_parallel.check_divisible(config, parallel.tp_size, checkpoint.name)
+                sharding.check_divisible(config, parallel.tp_size, checkpoint.name)
             model = build_on_meta(concrete, config, model_dtype)
             if parallel is not None:
-                model = tensor_parallel.shard(model, parallel, mesh_manager, checkpoint.name)
+                model = sharding.shard(model, parallel, mesh_manager, checkpoint.name)
             conversions = get_model_conversion_mapping(model, None, None)
             if any(not isinstance(c, WeightRenaming) for c in conversions):
                 return model_dtype, model, None
-            plan = plan_loading(model, checkpoint, files, conversions, ignore_mismatched_sizes)
+            plan = plan_loading(model, checkpoint, files, conversions, options.ignore_mismatched_sizes)
             check_device_memory(model, device, checkpoint.name)
             return model_dtype, model, plan
 
         dtype, model, plan = together("checking the checkpoint", prepare)
         if plan is None:
             model = _load_with_transformers(
-                concrete, checkpoint, dtype, device, trust_remote_code, ignore_mismatched_sizes, config, parallel
+                concrete, checkpoint, dtype, device, options, config, parallel
             )
             model.neuron_checkpoint_folder = checkpoint.folder
             return model
@@ -172,7 +162,7 @@ def load_pretrained(
         try:  # (finalizing runs collectives of its own, so every rank must have loaded first)
             together("loading the weights", lambda: stream_into(model, plan, device, checkpoint.name))
             info = together("finalizing the model",
-                            lambda: finalize(model, plan, device, checkpoint.name, ignore_mismatched_sizes))
+                            lambda: finalize(model, plan, device, checkpoint.name, options.ignore_mismatched_sizes))
         except BaseException:  # this rank's failure or another's: no half-loaded model keeps device memory
             release(model)
             raise
@@ -185,9 +175,8 @@ def load_pretrained(
 
 
 def _load_with_transformers(
-    model_class: type, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device,
-    trust_remote_code: bool, ignore_mismatched_sizes: bool, config: PretrainedConfig,
-    parallel: DistributedConfig | None,
+    model_class: type, checkpoint: Checkpoint, dtype: torch.dtype, device: torch.device, options: LoadOptions,
+    config: PretrainedConfig, parallel: DistributedConfig | None,
 ) -> PreTrainedModel:
     """Architectures whose checkpoints need tensor conversions (fused experts and the like) load
     through Transformers' own path on the host, then move to the device; under tensor parallelism
@@ -197,7 +186,7 @@ def _load_with_transformers(
         checkpoint.name, model_class.__name__,
     )
     model = model_class.from_pretrained(
-        checkpoint.folder, config=config, dtype=dtype, trust_remote_code=trust_remote_code,
-        ignore_mismatched_sizes=ignore_mismatched_sizes, distributed_config=parallel,
+        checkpoint.folder, config=config, dtype=dtype, trust_remote_code=options.trust_remote_code,
+        ignore_mismatched_sizes=options.ignore_mismatched_sizes, distributed_config=parallel,
     )
     return model if parallel is not None else model.to(device)

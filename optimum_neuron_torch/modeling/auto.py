@@ -7,7 +7,6 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-import torch
 from transformers import (
     AutoModel,
     AutoModelForCausalLM,
@@ -19,11 +18,10 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
 )
-from transformers.distributed import DistributedConfig
 
 from ..fallbacks.policy import watch as watch_fallbacks
 from ..generation import enable_compiled_generation
-from ..loading import load_pretrained
+from ..loading import LoadOptions, load_pretrained
 from ..patches import apply_patches
 from ..training import save_random_ops_when_checkpointing, trainer_integration
 
@@ -38,21 +36,8 @@ class _NeuronAutoMixin:
         cls,
         pretrained_model_name_or_path: str | os.PathLike[str],
         *,
-        revision: str | None = None,
-        dtype: torch.dtype | str | None = None,
-        device: torch.device | str = "neuron",
-        token: str | bool | None = None,
-        cache_dir: str | os.PathLike[str] | None = None,
-        local_files_only: bool = False,
-        trust_remote_code: bool = False,
-        allow_pickle: bool = False,
-        ignore_mismatched_sizes: bool = False,
-        attn_implementation: str | None = None,
         patches: bool | Iterable[str] = True,
-        distributed_config: DistributedConfig | dict | None = None,
-        tp_plan: str | dict[str, str] | None = None,
-        tp_size: int | None = None,
-        **config_kwargs: Any,
+        **kwargs: Any,
     ) -> PreTrainedModel:
         """Loads the model of a checkpoint straight onto the `neuron` device, streaming its weights
         from disk one tensor at a time (never a full host copy), and returns the plain Transformers
@@ -97,8 +82,9 @@ class _NeuronAutoMixin:
                 model's own plan), still accepted as Transformers accepts it.
             tp_size (`int`, *optional*):
                 The older form of `distributed_config=DistributedConfig(tp_size=...)`.
-            config_kwargs (`dict[str, Any]`, *optional*):
-                Config attributes to override (`num_labels=3`, `use_cache=False`, ...).
+            kwargs (`dict[str, Any]`, *optional*):
+                The loading options below (`LoadOptions`), and config attributes to override
+                (`num_labels=3`, `use_cache=False`, ...).
 
         Returns:
             [`~transformers.PreTrainedModel`]: the Transformers model of the checkpoint's
@@ -141,13 +127,8 @@ class _NeuronAutoMixin:
         >>> tokenizer.decode(model.generate(**inputs, max_new_tokens=8)[0])
         ```
         """
-        model = load_pretrained(
-            cls, pretrained_model_name_or_path, revision=revision, dtype=dtype, device=device, token=token,
-            cache_dir=cache_dir, local_files_only=local_files_only, trust_remote_code=trust_remote_code,
-            allow_pickle=allow_pickle, ignore_mismatched_sizes=ignore_mismatched_sizes,
-            attn_implementation=attn_implementation, distributed_config=distributed_config, tp_plan=tp_plan,
-            tp_size=tp_size, **config_kwargs,
-        )
+        options, config_kwargs = LoadOptions.split(kwargs)  # (the loading options, defined once there)
+        model = load_pretrained(cls, pretrained_model_name_or_path, options, **config_kwargs)
         apply_patches(model, None if patches is True else () if patches is False else patches)
         if model.device.type == "neuron":
             watch_fallbacks(model)  # (TorchNeuron, default policy: its fallbacks warned after each call)

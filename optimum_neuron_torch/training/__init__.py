@@ -1,8 +1,8 @@
 """Fine-tuning on `neuron` with Transformers' `Trainer`: the adjustments that let it use the device
-(`trainer_integration`), activation checkpointing that compiles (`checkpointing`), and a data
+(`trainer_integration`), activation checkpointing that compiles (`activation_checkpointing`), and a data
 collator that keeps training shapes static (`collator`)."""
 
-from .checkpointing import SAVE_RANDOM_OPS, save_random_ops_when_checkpointing
+from .activation_checkpointing import SAVE_RANDOM_OPS, save_random_ops_when_checkpointing
 from .collator import BucketingDataCollator
 from .trainer_integration import ADJUSTMENTS, active, disable, enable
 

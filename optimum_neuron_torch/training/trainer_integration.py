@@ -54,7 +54,7 @@ def enable() -> list[str]:
     """
     if _active_names:
         return active()
-    if activate().name == "reference":
+    if not activate().detected_by_transformers:
         _undo.append(_answer_neuron_detection())
         _active_names.append("neuron_detection")
     return active()

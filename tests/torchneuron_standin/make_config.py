@@ -42,5 +42,9 @@ def write_config(path: str | os.PathLike[str]) -> dict:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit(f"usage: {sys.argv[0]} CONFIG.json")
+    # Run as a script, this folder is first on sys.path, where torch would find the stand-in's
+    # dist-info and autoload it at `import torch`, before it has its config: take it off first.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != here]
     written = write_config(sys.argv[1])
     print(f"{sys.argv[1]}: extension {written['extension']}, {len(written['native_ops'])} native ops")

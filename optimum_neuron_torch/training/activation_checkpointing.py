@@ -26,7 +26,7 @@ def _save_random_ops(ctx: Any, op: torch._ops.OpOverload, *args: Any, **kwargs: 
 
 SAVE_RANDOM_OPS = functools.partial(create_selective_checkpoint_contexts, _save_random_ops)
 # Lets AOTAutograd (and so the persistent compile cache) cache graphs that use this policy.
-SAVE_RANDOM_OPS.cache_hash = "optimum_neuron_torch.training.checkpointing.SAVE_RANDOM_OPS/1"
+SAVE_RANDOM_OPS.cache_hash = "optimum_neuron_torch.training.activation_checkpointing.SAVE_RANDOM_OPS/1"
 
 
 def with_random_ops_saved(kwargs: dict[str, Any] | None) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Tensor parallelism at load time: each rank keeps, and reads from disk, only its slices.
+"""Loading a model split between ranks (tensor parallelism): each rank keeps, and reads from
+disk, only its slices.
 
 Transformers shards a model by its own tensor-parallel plan (`base_model_tp_plan`: which layers
 are split by rows or columns, DTensor over a DeviceMesh). Its `prepare_distribute_model` starts

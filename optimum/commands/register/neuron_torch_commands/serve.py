@@ -1,0 +1,69 @@
+"""`optimum-cli neuron-torch serve [MODEL]`."""
+
+import sys
+from argparse import ArgumentParser
+
+from optimum.commands.base import CommandInfo
+
+from .base import (
+    DEFAULT_MODEL_HELP,
+    LibraryCommand,
+    add_dtype,
+    add_model,
+    add_tensor_parallel_size,
+    positive,
+    sizes,
+)
+
+
+class ServeCommand(LibraryCommand):
+    COMMAND = CommandInfo(name="serve", help="Serve a model over HTTP with the OpenAI API (chat and text "
+                                             "completions), batching requests in flight on compiled graphs.")
+    EXAMPLES = (
+        "optimum-cli neuron-torch serve",
+        "optimum-cli neuron-torch serve --model org/model-id --dtype bfloat16 --batch-size 8 --port 8080",
+        "optimum-cli neuron-torch serve --model org/model-id --tensor-parallel-size 2",
+    )
+
+    @staticmethod
+    def parse_args(parser: ArgumentParser) -> None:
+        add_model(parser, f"A Hub model id or a local folder ({DEFAULT_MODEL_HELP}); clients give this name as "
+                          "`model`", required=False)
+        add_dtype(parser)
+        parser.add_argument("--host", default="127.0.0.1",
+                            help="The address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 for "
+                                 "every interface).")
+        parser.add_argument("--port", type=positive, default=8000, help="The TCP port (default: 8000).")
+        parser.add_argument("--batch-size", type=positive,
+                            help="Decode slots: the most requests generating at once; more wait in a queue "
+                                 "(default: the model's largest batch bucket, 8 unless it was saved with others).")
+        parser.add_argument("--max-length", type=positive,
+                            help="Positions per request, prompt plus new tokens (default: the model's context "
+                                 "length, capped at 2048).")
+        parser.add_argument("--prompt-buckets", type=sizes,
+                            help="Prompt lengths of the prefill graphs, comma-separated, e.g. 16,64,256; a longer "
+                                 "prompt is prefilled in chunks of the largest (default: 16, 64, 256, ... up to half "
+                                 "of max-length).")
+        parser.add_argument("--prefill-budget", type=positive,
+                            help="The most prompt tokens prefilled between two decode steps: the longest a new "
+                                 "request delays the others' next token (default: the largest prompt bucket).")
+        parser.add_argument("--api-key",
+                            help="Clients must send `Authorization: Bearer KEY` (default: the environment variable "
+                                 "OPTIMUM_NEURON_TORCH_API_KEY; none: no key needed).")
+        add_tensor_parallel_size(parser)
+
+    def failure(self) -> str:
+        return f"cannot serve {self.args.model or 'the default model'}"
+
+    def execute(self) -> int:
+        from optimum_neuron_torch.commands.launch import launch
+        from optimum_neuron_torch.commands.serve import DRAIN_SECONDS, serve
+        from optimum_neuron_torch.settings import launched
+
+        args = self.args
+        if args.tp_size > 1 and not launched():
+            return launch(args.tp_size, sys.argv[1:], drain_seconds=DRAIN_SECONDS + 30)
+        serve(args.model, host=args.host, port=args.port, batch_size=args.batch_size, max_length=args.max_length,
+              prompt_buckets=args.prompt_buckets, prefill_budget=args.prefill_budget, api_key=args.api_key,
+              tp_size=args.tp_size, dtype=args.dtype)
+        return 0
