@@ -24,7 +24,7 @@ EXPECTED = {
                        "loss decreased: True", "merged model answers as the adapter model: True"],
 }
 # What one cell (found by a piece of its source) must print.
-EXPECTED_IN_CELL = {"quickstart.ipynb": {"--tp-size 3": "The capital of France is Paris"}}
+EXPECTED_IN_CELL = {"quickstart.ipynb": {"--tensor-parallel-size 3": "The capital of France is Paris"}}
 PLOTS = {"generation_performance.ipynb": 1, "finetune.ipynb": 1}
 
 
