@@ -141,7 +141,7 @@ def child(variant: str, folder: str, dtype_name: str, batches: list[int], thread
             "recompiles_after_warm_up": counters["stats"]["unique_graphs"] - graphs_after_warm_up
             + sum(counters["recompiles"].values()) - recompiles_before,
         }
-        if variant == "library warm" and optimum_neuron_torch.backend_info().name == "reference":
+        if variant == "library warm" and optimum_neuron_torch.backend_info().counts_transfers:
             results[batch]["transfers"] = {"greedy": transfers(ids), "sampled": transfers(ids, **SAMPLING)}
     if variant.startswith("library"):
         stats = cache_stats()

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 Listener = Callable[["ModuleStack"], None]
 
@@ -46,7 +47,12 @@ class ModuleObserver:
     """Calls `on_enter` before and `on_exit` after (also when it raises) every forward of the modules
     of the models it observes (`observe`), with the stack as it is outside, resp. inside, that
     module: hooks on each of their modules, none global (other modules of the process run without
-    them), all removed by `close()`. Compiled code is not observed: Dynamo traces the hooks away.
+    them), removed by `close()` once no open observer needs them. Compiled code is not observed:
+    Dynamo traces the hooks away.
+
+    The hooks are module-level functions that ask the open observers (so a model pickles with
+    `torch.save` while observed, and a copy of it, which carries them, runs them as no-ops), one
+    pair per module whatever the number of observers.
 
     Args:
         on_enter (`Callable[[ModuleStack], None]`): called before each forward.
@@ -56,40 +62,68 @@ class ModuleObserver:
     def __init__(self, on_enter: Listener, on_exit: Listener) -> None:
         self.stack = ModuleStack()
         self._on_enter, self._on_exit = on_enter, on_exit
-        self._hooked: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # (a module shared by two models: once)
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self.modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        _OPEN.append(self)
 
     def observe(self, model: nn.Module) -> None:
         """Observes every module of `model` (those it already observes are left as they are)."""
         for module in model.modules():
-            if module not in self._hooked:
-                self._hooked.add(module)
-                self._handles += [module.register_forward_pre_hook(self._enter),
-                                  module.register_forward_hook(self._exit, always_call=True)]
+            self.modules.add(module)
+            if module not in _HANDLES:
+                _HANDLES[module] = (module.register_forward_pre_hook(_enter_module),
+                                    module.register_forward_hook(_exit_module, always_call=True))
 
     def close(self) -> None:
-        """Removes every hook: the models run as before."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._hooked = weakref.WeakSet()
+        """Stops observing; removes the hooks of the modules no open observer observes."""
+        if self in _OPEN:
+            _OPEN.remove(self)
+        for module in list(self.modules):
+            if not any(module in observer.modules for observer in _OPEN):
+                for handle in _HANDLES.pop(module, ()):
+                    handle.remove()
+        self.modules = weakref.WeakSet()
 
     # A listener may raise (the `error` policy does). The stack stays balanced all the same: PyTorch
     # calls an `always_call` forward hook even when a pre-hook raised, so every enter pushes and
     # every exit pops.
-    def _enter(self, module: nn.Module, args: object) -> None:
-        if not torch.compiler.is_compiling():
-            try:
-                self._on_enter(self.stack)
-            finally:
-                self.stack.push(module)
+    def _enter(self, module: nn.Module) -> None:
+        try:
+            self._on_enter(self.stack)
+        finally:
+            self.stack.push(module)
 
-    def _exit(self, module: nn.Module, args: object, output: object) -> None:
-        if not torch.compiler.is_compiling():
+    def _exit(self, module: nn.Module) -> None:
+        try:
+            self._on_exit(self.stack)
+        finally:
+            self.stack.pop()
+
+
+_OPEN: list[ModuleObserver] = []  # the observers not closed
+_HANDLES: weakref.WeakKeyDictionary[nn.Module, tuple[RemovableHandle, RemovableHandle]] = weakref.WeakKeyDictionary()
+
+
+def _each_observer(module: nn.Module, step: Callable[[ModuleObserver, nn.Module], None]) -> None:
+    """`step` for each open observer of `module`, all of them even when one raises (then raised)."""
+    if torch.compiler.is_compiling():
+        return
+    raised = None
+    for observer in list(_OPEN):
+        if module in observer.modules:
             try:
-                self._on_exit(self.stack)
-            finally:
-                self.stack.pop()
+                step(observer, module)
+            except BaseException as error:  # (each observer's stack stays balanced; the first error raises)
+                raised = raised or error
+    if raised is not None:
+        raise raised
+
+
+def _enter_module(module: nn.Module, args: object) -> None:
+    _each_observer(module, ModuleObserver._enter)
+
+
+def _exit_module(module: nn.Module, args: object, output: object) -> None:
+    _each_observer(module, ModuleObserver._exit)
 
 
 @contextlib.contextmanager

@@ -92,6 +92,13 @@ def test_every_command_has_help_with_examples(command, described):
                             for line in examples), done.stdout
 
 
+def test_the_help_names_the_default_model_the_library_loads():
+    # (the commands' arguments import no library code: they spell the name out, and must agree)
+    from optimum.commands.register.neuron_torch_commands.base import DEFAULT_MODEL_HELP
+
+    assert f"default: {optimum_neuron_torch.DEFAULT_MODEL}," in DEFAULT_MODEL_HELP
+
+
 @pytest.mark.parametrize("args, error", [
     (("check",), "a model is needed: give it as MODEL or with --model"),
     (("compile", "--dry-run"), "a model is needed: give it as MODEL or with --model"),

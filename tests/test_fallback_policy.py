@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import io
 import warnings
 
 import pytest
@@ -101,6 +103,11 @@ def test_the_policy_hooks_the_watched_models_while_it_needs_to_and_nothing_else(
         assert hooks(late) == hooks(model)
         with pytest.raises(NotImplementedError, match=r"Called from module 'Net.head'\.$"):
             late(x)
+        torch.save(model, io.BytesIO())  # an observed model still saves whole (its hooks pickle)
+        copied = copy.deepcopy(model)  # a copy carries the hooks, which do nothing for it
+        with pytest.raises(NotImplementedError) as caught:
+            copied(x)
+        assert "Called from module" not in str(caught.value)
     assert hooks(model) == hooks(late) == hooks(other) == 0  # removed with the policy
 
 
@@ -251,7 +258,7 @@ def torchneuron(monkeypatch):
     from optimum_neuron_torch.fallbacks import policy
 
     tracker = Tracker()
-    monkeypatch.setattr(policy, "_on_reference", lambda: False)
+    monkeypatch.setattr(policy, "_applied_per_op", lambda: False)
     monkeypatch.setattr(policy, "fallback_ops", tracker.fallback_ops)
     monkeypatch.setattr(policy, "clear_op_tracking", tracker.clear_op_tracking)
     monkeypatch.delenv("OPTIMUM_NEURON_TORCH_FALLBACK", raising=False)
@@ -289,6 +296,19 @@ def test_torchneuron_error_refuses_a_fallback_when_the_module_that_ran_it_ends(t
     )
     assert tracker.ops == set()  # forgotten once reported: the next module is judged on its own ops
     model.first(torch.ones(2))  # a module without fallbacks runs
+
+
+def test_torchneuron_error_refuses_an_unwatched_models_fallback_when_its_block_ends(torchneuron):
+    """A model neither loaded by the library nor passed to `watch`: nothing observes its modules, so
+    on TorchNeuron its fallback is refused at the end of the `fallback_policy("error")` block."""
+    make, tracker, model = torchneuron
+    finished = False
+    with pytest.raises(NotImplementedError, match=r"^Operator 'aten::argmax' fell back to CPU in code outside any "
+                                                  r"module \(or in a compiled function\) \(also aten::cumprod\)"):
+        with ont.fallback_policy("error"):
+            model(torch.ones(2))
+            finished = True
+    assert finished
 
 
 def test_torchneuron_error_lists_every_op_that_fell_back(torchneuron):

@@ -114,9 +114,13 @@ def _compares_a_backend_name(node: ast.AST) -> bool:
 
 
 def test_no_module_asks_which_backend_by_its_name():
+    # (the package, and what users copy from: the examples and benchmarks; the tests check the names)
+    paths = [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "examples").rglob("*.py"),
+             *(PACKAGE.parent / "benchmarks").rglob("*.py")]
+    homes = {PACKAGE / home for home in BACKEND_HOMES}
     comparisons = sorted(
-        f"{path.relative_to(PACKAGE)}:{node.lineno}"
-        for path in PACKAGE.rglob("*.py") if str(path.relative_to(PACKAGE)) not in BACKEND_HOMES
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+        for path in paths if path not in homes
         for node in ast.walk(ast.parse(path.read_text())) if _compares_a_backend_name(node)
     )
     assert comparisons == [], "ask `backend_info()`'s attributes (device/backends.py), not its name"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from ..settings import FALLBACK_MODES, neff_cache_dir
 
 
 @dataclass(frozen=True)
-class Backend:
+class Backend(ABC):
     """The active backend: what it is, and what differs between the two.
 
     Attributes:
@@ -43,6 +44,9 @@ class Backend:
         detected_by_transformers: Transformers and accelerate switch their `neuron` branches on by
             themselves (they look for the module `torch_neuronx`).
         collective_transport: what carries the `neuron` process group's collectives.
+        counts_transfers: the reference device counts the bytes copied between the host and the
+            device (`device.reference.transfer_counts()`, which the benchmarks read); TorchNeuron
+            does not.
         sets_defaults_at_import: TorchNeuron sets its release defaults in the environment when
             imported (`os.environ.setdefault`), which `optimum-cli neuron-torch env` tells apart
             from what the user set.
@@ -61,16 +65,17 @@ class Backend:
     detected_by_transformers: ClassVar[bool]
     collective_transport: ClassVar[str]
     sets_defaults_at_import: ClassVar[bool]
+    counts_transfers: ClassVar[bool]
 
     version: str
     device_count: int
     torch_version: str = torch.__version__
 
     @property
+    @abstractmethod
     def profile(self) -> str:
         """The ops that run natively: `hardware` on TorchNeuron, else the reference device's current
         support profile (`torchneuron`, `full` or an op list)."""
-        raise NotImplementedError
 
     @property
     def fallback(self) -> str:
@@ -88,18 +93,18 @@ class Backend:
         where the library's compile cache holds them (the reference device)."""
         return None
 
+    @abstractmethod
     def op_tracker(self) -> Any:
         """What records op names (`get_fallback_ops`, `get_executed_ops`, `clear_op_tracking`)."""
-        raise NotImplementedError
 
     def fallback_counts(self) -> dict[str, tuple[int | None, float | None]]:
         """`{op: (calls, seconds)}` of the ops that fell back since the last `clear_op_tracking()`;
         `(None, None)` where the backend records names only."""
         return {op: (None, None) for op in self.op_tracker().get_fallback_ops()}
 
+    @abstractmethod
     def fallback_mode(self) -> str:
         """The fallback policy's mode in force."""
-        raise NotImplementedError
 
     def set_fallback_mode(self, mode: str) -> None:
         """Records the fallback policy's mode (`fallbacks.set_fallback_policy` decides it).
@@ -111,8 +116,9 @@ class Backend:
             raise ConfigurationError(f"unknown fallback policy {mode!r}: use one of {', '.join(FALLBACK_MODES)}.")
         self._set_fallback_mode(mode)
 
+    @abstractmethod
     def _set_fallback_mode(self, mode: str) -> None:
-        raise NotImplementedError
+        """Records a mode `set_fallback_mode` validated."""
 
     @contextlib.contextmanager
     def support_profile(self, name: str) -> Iterator[None]:
@@ -146,6 +152,7 @@ class TorchNeuronBackend(Backend):
     detected_by_transformers: ClassVar[bool] = True
     collective_transport: ClassVar[str] = "TorchNeuron's collectives"
     sets_defaults_at_import: ClassVar[bool] = True
+    counts_transfers: ClassVar[bool] = False
 
     @property
     def profile(self) -> str:
@@ -178,6 +185,7 @@ class ReferenceBackend(Backend):
     detected_by_transformers: ClassVar[bool] = False
     collective_transport: ClassVar[str] = "gloo over host views"
     sets_defaults_at_import: ClassVar[bool] = False
+    counts_transfers: ClassVar[bool] = True
 
     @property
     def profile(self) -> str:

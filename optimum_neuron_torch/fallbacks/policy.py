@@ -1,8 +1,8 @@
 """The fallback policy: what happens when an op has no native kernel on the `neuron` device.
 
 - `warn` (default): the op runs on the CPU; one warning per op, in TorchNeuron's words.
-- `error`: the first fallback raises `NotImplementedError` naming the op, the module that called
-  it and the setting.
+- `error`: the first fallback raises `NotImplementedError` naming the op, the module of a watched
+  model that called it (see below) and the setting.
 - `silent`: the op runs on the CPU, counted only.
 
 One policy holds for the process (`OPTIMUM_NEURON_TORCH_FALLBACK` sets it at start);
@@ -23,7 +23,10 @@ already run on the CPU:
   (`TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1` while the policy is `error`): the failure raises.
 
 The watched models are those the library loaded (`NeuronAutoModel*.from_pretrained`) and those passed
-to `watch(model)`. Nothing else of the process is observed: no global module hook, ever; the hooks
+to `watch(model)`: on TorchNeuron, a fallback in another model is told when a watched model's next call
+starts or, under `error`, when the `fallback_policy("error")` block ends (or never, under a policy set
+for the process with no watched model running). Nothing else of the process is observed: no global
+module hook, ever; the hooks
 on a watched model's modules are there while a policy needs them (`error`, or `warn` set explicitly
 on TorchNeuron, or `error` on the reference device to name the caller) and removed when it ends.
 """
@@ -50,7 +53,7 @@ _watched: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _policies: weakref.WeakSet[_Policy] = weakref.WeakSet()
 
 
-def _on_reference() -> bool:
+def _applied_per_op() -> bool:
     """Whether the device applies the policy to each op call itself (the reference device)."""
     return backend_info().applies_policy_per_op
 
@@ -74,15 +77,15 @@ class _Policy:
 
     def set(self, mode: str, explicit: bool = True) -> None:
         backend_info().set_fallback_mode(mode)  # validates it; the reference device applies it to every op call
-        if mode == "error" and self._mode != "error" and not _on_reference():
+        if mode == "error" and self._mode != "error" and not _applied_per_op():
             clear_op_tracking()  # TorchNeuron records an op once: one seen before must raise now
-        if not _on_reference():
+        if not _applied_per_op():
             self._fail_fast(mode == "error")
         self._mode, self.explicit = mode, explicit
         # The reference device needs the observer only to name the caller of a refused op;
         # TorchNeuron needs it to notice fallbacks in each module of the watched models (by default,
         # a hook after each of their calls does).
-        needed = mode == "error" or (mode == "warn" and explicit and not _on_reference())
+        needed = mode == "error" or (mode == "warn" and explicit and not _applied_per_op())
         if needed and self._observer is None:
             if not self._forks_watched:  # (once, at the first observer: importing the library registers nothing)
                 # A child forked from this process cannot use TorchNeuron's runtime: its module calls (a
@@ -116,7 +119,7 @@ class _Policy:
             self._user_execution_setting = False
 
     def _before_module(self, stack: ModuleStack) -> None:
-        if _on_reference():
+        if _applied_per_op():
             return
         if self._mode == "error":
             self._refuse_fallbacks(stack.current)
@@ -124,7 +127,7 @@ class _Policy:
             self._warn_new_fallbacks(None)
 
     def _after_module(self, stack: ModuleStack) -> None:
-        if _on_reference():
+        if _applied_per_op():
             _name_caller(stack.current)
         elif self._mode == "error":
             self._refuse_fallbacks(stack.current)
@@ -194,7 +197,7 @@ def watch(model: torch.nn.Module) -> None:
     for policy in list(_policies):
         if policy._observer is not None:
             policy._observer.observe(model)
-    if not _on_reference():
+    if not _applied_per_op():
         model.register_forward_hook(_after_model_call)
 
 
@@ -252,7 +255,7 @@ def fallback_policy(mode: str) -> Iterator[None]:
     set_fallback_policy(mode)
     try:
         yield
-        if mode == "error" and not _on_reference():
+        if mode == "error" and not _applied_per_op():
             _policy._refuse_fallbacks(None)  # (TorchNeuron: what no module's end saw, outside any or compiled)
     finally:
         _policy.set(previous, explicit)

@@ -182,14 +182,16 @@ def early_shape_fits(model: PreTrainedModel, config: Any, init_shape: tuple[Any,
     """Whether the `(num_heads, head_dim)` Transformers reads from the config to initialize a static
     cache early fits the keys and values the model writes: an attention layer whose `k_proj`/`v_proj`
     is wider or narrower than that (MiMo-V2-Flash: sliding layers with twice the heads, values of
-    their own width) would fail its first cache update. A model whose attention has no separate
-    `k_proj` and `v_proj` (a fused projection: Falcon, GPT-2, GPT-NeoX...) cannot be checked: False,
-    the shapes of one eager step are used instead (a config may disagree with what such a model
-    writes: Falcon's `multi_query` writes one key/value head whatever `num_key_value_heads` says)."""
+    their own width) would fail its first cache update; so would a multi-query config (Falcon's,
+    GPTBigCode's: one key/value head written) whose `num_key_value_heads` says more, which Transformers
+    reads as given. (Fused projections, GPT-2's or T5's, have nothing to compare: their shapes are
+    Transformers'.)"""
     if tensor_parallel_mesh(model) is not None:  # (sharded projections: Transformers' shape is per rank)
         return True
     num_heads, head_dim = init_shape
-    checked = False
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False) and any(
+            heads != 1 for heads in (num_heads if isinstance(num_heads, list) else [num_heads])):
+        return False
     for module in model.modules():
         index = getattr(module, "layer_idx", None)
         if not isinstance(index, int) or index >= len(layers) or not getattr(layers[index], "supports_early_init",
@@ -198,11 +200,9 @@ def early_shape_fits(model: PreTrainedModel, config: Any, init_shape: tuple[Any,
         heads = num_heads[index] if isinstance(num_heads, list) else num_heads
         width = head_dim[index] if isinstance(head_dim, list) else head_dim
         for projection in (getattr(module, "k_proj", None), getattr(module, "v_proj", None)):
-            if isinstance(projection, torch.nn.Linear):
-                checked = True
-                if projection.out_features != heads * width:
-                    return False
-    return checked
+            if isinstance(projection, torch.nn.Linear) and projection.out_features != heads * width:
+                return False
+    return True
 
 
 def head_shapes(model: PreTrainedModel, config: Any, layers: list[Any]) -> list[tuple[int, int, int]]:

@@ -83,8 +83,8 @@ class _NeuronAutoMixin:
             tp_size (`int`, *optional*):
                 The older form of `distributed_config=DistributedConfig(tp_size=...)`.
             kwargs (`dict[str, Any]`, *optional*):
-                The loading options below (`LoadOptions`), and config attributes to override
-                (`num_labels=3`, `use_cache=False`, ...).
+                The loading options above (`revision` to `tp_size`, gathered in `LoadOptions`), and
+                config attributes to override (`num_labels=3`, `use_cache=False`, ...).
 
         Returns:
             [`~transformers.PreTrainedModel`]: the Transformers model of the checkpoint's
@@ -130,8 +130,8 @@ class _NeuronAutoMixin:
         options, config_kwargs = LoadOptions.split(kwargs)  # (the loading options, defined once there)
         model = load_pretrained(cls, pretrained_model_name_or_path, options, **config_kwargs)
         apply_patches(model, None if patches is True else () if patches is False else patches)
+        watch_fallbacks(model)  # (under the fallback policy, wherever it is now: it may move to `neuron` later)
         if model.device.type == "neuron":
-            watch_fallbacks(model)  # (TorchNeuron, default policy: its fallbacks warned after each call)
             trainer_integration.enable()  # Trainer on `neuron` (see optimum_neuron_torch.training)
             save_random_ops_when_checkpointing(model)
             if cls.compiled_generation:

@@ -135,7 +135,7 @@ def _check_fallback_modes(extension: Any) -> None:
 def set_fallback_mode(mode: str) -> None:
     """`warn` (one warning per op), `error` (a fallback raises) or `silent`, applied by the C++
     fallback path to every op call (the enum member of the same name). The mode is checked by the
-    caller, `optimum_neuron_torch.device.set_fallback_mode`."""
+    caller, `ReferenceBackend.set_fallback_mode` (`device/backends.py`)."""
     state().extension.set_fallback_mode(state().extension.FallbackMode.__members__[mode])
 
 
