@@ -26,9 +26,9 @@ The watched models are those the library loaded (`NeuronAutoModel*.from_pretrain
 to `watch(model)`: on TorchNeuron, a fallback in another model is told when a watched model's next call
 starts or, under `error`, when the `fallback_policy("error")` block ends (or never, under a policy set
 for the process with no watched model running). Nothing else of the process is observed: no global
-module hook, ever; the hooks
-on a watched model's modules are there while a policy needs them (`error`, or `warn` set explicitly
-on TorchNeuron, or `error` on the reference device to name the caller) and removed when it ends.
+module hook, ever; the hooks on a watched model's modules are there while a policy needs them
+(`error`, which on the reference device they only name the caller for, or `warn` set explicitly on
+TorchNeuron) and removed when it ends.
 """
 
 from __future__ import annotations
