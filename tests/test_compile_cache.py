@@ -147,6 +147,33 @@ def test_concurrent_builders_in_one_process_build_once(tmp_path):
     assert len(built) == 1 and sum(was_built for _, was_built in results) == 1
 
 
+def test_an_entry_that_does_not_match_its_checksums_is_named_removed_and_rebuilt(tmp_path):
+    cache = CompileCache(tmp_path)
+    key = "ef" * 32
+    entry, _ = cache.get_or_build(key, lambda folder: (folder / "graph.bin").write_bytes(b"good") and {})
+    (entry.path / "graph.bin").write_bytes(b"evil")  # (same size: only the checksum tells)
+    with pytest.warns(UserWarning) as caught:
+        rebuilt, built = cache.get_or_build(key, lambda folder: (folder / "graph.bin").write_bytes(b"new") and {})
+    assert built and (rebuilt.path / "graph.bin").read_bytes() == b"new" and rebuilt.path == entry.path
+    [warning] = caught
+    assert str(warning.message) == (f"Compile cache entry {key} in {tmp_path} is not loaded: its file graph.bin is "
+                                    "not the one compiled (SHA-256 differs: truncated or modified). Its graph is "
+                                    "compiled again.")
+    assert [path.name for path in (tmp_path / "tmp").iterdir()] == []  # the discarded entry is gone
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ef", "locks", "tmp"]  # (renamed within the cache)
+    metadata = json.loads((rebuilt.path / "entry.json").read_text())
+    del metadata["files"]  # (an entry written before entries recorded checksums)
+    (rebuilt.path / "entry.json").write_text(json.dumps(metadata))
+    with pytest.warns(UserWarning) as caught:
+        cache.get_or_build(key, lambda folder: {})
+    assert str(caught[0].message).endswith(": it records no checksums of its files (written by an older version of "
+                                           "the library). Its graph is compiled again.")
+    shutil.rmtree(rebuilt.path)
+    with pytest.warns(UserWarning, match="not loaded: gone"):
+        cache.discard(key, "gone")  # already removed (by another process): nothing to do, no error
+    assert cache.get(key) is None and [path.name for path in (tmp_path / "tmp").iterdir()] == []
+
+
 @pytest.mark.slow  # (the fast tier's test_commands.py compiles, saves and reloads a model precompiled)
 def test_a_model_saved_precompiled_arrives_precompiled(saved_llama, filled_cache, tmp_path):
     """precompile() then save_pretrained() (the graphs come from the first process's cache); a new

@@ -66,6 +66,10 @@ def test_a_group_of_one_in_process(tmp_path):
         with pytest.raises(CollectiveArgumentError, match=r"tensors\[0\] is on cpu"):
             dist.all_reduce(torch.ones(2))
         assert repr(dist.group.WORLD).startswith("ProcessGroupNeuron(rank=0, size=1")
+        for coalesced in (dist.group.WORLD.allgather_into_tensor_coalesced,
+                          dist.group.WORLD.reduce_scatter_tensor_coalesced):
+            work = coalesced([], [])  # nothing to exchange: a work already done
+            assert work.wait() and work.is_completed() and work.result() == []
     finally:
         dist.destroy_process_group()
 

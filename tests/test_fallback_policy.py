@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import warnings
 
 import pytest
@@ -381,14 +382,14 @@ def test_torchneuron_default_warn_observes_only_the_models_the_library_loaded(to
         "Operator 'aten::argmax' fell back to CPU (during a call of 'Outer')",
         "Operator 'aten::cumprod' fell back to CPU (during a call of 'Outer')",
     ]
-    assert tracker.reads and not any(tracker.reads)  # never waited
+    assert tracker.reads and all(wait is False for wait in tracker.reads)  # never waited
 
 
 def test_torchneuron_warn_once_per_op_after_the_outermost_call(torchneuron, monkeypatch):
     make, tracker, model = torchneuron
     tracker.ops.add("aten::known")  # recorded before the policy existed: never warned
     monkeypatch.setenv("OPTIMUM_NEURON_TORCH_FALLBACK", "warn")  # asked for: every module of a watched model
-    make()  # the policy under test (kept alive by the fixture's `created` list)
+    current = make()  # the policy under test (kept alive by the fixture's `created` list)
     watch(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -405,6 +406,14 @@ def test_torchneuron_warn_once_per_op_after_the_outermost_call(torchneuron, monk
         "Operator 'aten::topk' fell back to CPU (outside any module); see optimum_neuron_torch.fallback_ops().",
     ]
     assert tracker.clears == 0  # `warn` never clears what the user may read
+    assert tracker.reads and all(wait is True for wait in tracker.reads)  # asked for: each read waits for the device
+    current.set("silent")
+    tracker.ops.clear()  # (as the user's clear_op_tracking())
+    current.set("warn")  # observing again: what it warned of before is not warned of again
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.ones(2))
+    assert caught == [] and tracker.ops == {"aten::argmax", "aten::cumprod"}
 
 
 def test_torchneuron_warn_names_an_op_run_before_a_leaf_module_as_outside_any_module(torchneuron, monkeypatch):
@@ -467,3 +476,30 @@ def test_torchneuron_policy_from_the_environment(torchneuron, monkeypatch):
                        match=r"OPTIMUM_NEURON_TORCH_FALLBACK='strict' must be one of warn, error, silent\."):
         make()
 
+
+
+@pytest.mark.parametrize("users_value", [None, "0"])
+def test_torchneuron_error_stops_the_eager_rerun_of_failed_graphs_and_gives_the_setting_back(
+        torchneuron, monkeypatch, users_value):
+    make, tracker, model = torchneuron
+    name = "TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"  # TorchNeuron reads it at each failed graph execution
+    if users_value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, users_value)
+    forks = []
+    monkeypatch.setattr(os, "register_at_fork", lambda **hooks: forks.append(hooks))
+    current = make()
+    assert current.mode == "warn" and current.explicit is False and os.environ.get(name) == users_value
+    assert not current.observing and forks == []  # the default registers nothing
+    for _ in range(2):  # (twice: the user's value is kept from the first time, not the library's "1")
+        current.set("error")
+        assert os.environ[name] == "1" and current.explicit is True and current.observing
+        current.set("error")
+        assert os.environ[name] == "1"
+        current.set("warn", explicit=False)
+        assert os.environ.get(name) == users_value and current.explicit is False
+    assert len(forks) == 1 and set(forks[0]) == {"after_in_child"}  # a fork stops observing, registered once
+    current.set("error")
+    forks[0]["after_in_child"]()  # (what a forked child runs)
+    assert not current.observing

@@ -385,8 +385,16 @@ def test_add_list_and_clear(tmp_path):
     assert added.metadata["created"] > first.metadata["created"]  # added now, not when first built
     assert target.add(first.path) == added
     assert list(target.entries()) == [added]
+    (first.path / "g.bin").write_bytes(b"2")  # a shipped entry whose file changed is refused, named
+    with pytest.raises(cache_module.CompileCacheError) as refused:
+        CompileCache(tmp_path / "c").add(first.path)
+    assert str(refused.value) == (f"compiled graph {first.key} in {first.path} cannot be added to the compile cache: "
+                                  "its file g.bin is not the one compiled (SHA-256 differs: truncated or modified).")
+    assert list(CompileCache(tmp_path / "c").entries()) == []
 
+    (source.root / cache_module.SLOTS_DIR).mkdir()  # (the warm starts' records go with the entries)
     assert source.clear() == 2 and list(source.entries()) == [] and not (source.root / "tmp").exists()
+    assert not (source.root / cache_module.SLOTS_DIR).exists()
     assert source.clear() == 0
 
 

@@ -14,11 +14,13 @@ from transformers.utils import ModelOutput
 
 from optimum_neuron_torch.generation.padding import (
     PaddingRowsDone,
+    PromptStreamed,
     UnpaddedStreamer,
     default_attention_mask,
     fill_rows,
     pad_prompt,
     pad_token_id,
+    prompt_streamed,
     unpad,
 )
 
@@ -136,7 +138,7 @@ def test_unpad_an_output_cuts_sequences_scores_and_logits_and_drops_the_cache():
 
 def test_padding_rows_are_done_from_the_first_token():
     done = PaddingRowsDone(rows=2)(torch.zeros(4, 5, dtype=torch.long), torch.zeros(4, 10))
-    assert done.tolist() == [False, False, True, True]
+    assert done.tolist() == [False, False, True, True] and done.dtype == torch.bool  # (what generate() combines)
     assert PaddingRowsDone(rows=3)(torch.zeros(3, 1, dtype=torch.long), None).tolist() == [False, False, False]
 
 
@@ -159,3 +161,21 @@ def test_the_streamer_sees_the_prompt_without_its_padding_and_every_token_after(
     streamer.put(torch.tensor([8]))
     streamer.end()
     assert recorder.values == [[[5, 6]], [7], [8]] and recorder.ended == 1
+
+
+def test_a_retried_call_streams_its_prompt_once():
+    recorder = Recorder()
+    streamer = UnpaddedStreamer(recorder, padding=1)
+    kwargs = {"max_new_tokens": 3, "streamer": streamer}
+    assert prompt_streamed(kwargs, streamer) is kwargs  # nothing streamed yet: the retry streams the prompt
+    assert prompt_streamed(kwargs, None) is kwargs and prompt_streamed(kwargs, recorder) is kwargs
+    streamer.put(torch.tensor([[0, 5, 6]]))
+    streamer.put(torch.tensor([7]))
+    retry = prompt_streamed(kwargs, streamer)
+    assert retry["max_new_tokens"] == 3 and kwargs["streamer"] is streamer  # (the caller's dict untouched)
+    assert isinstance(retry["streamer"], PromptStreamed) and retry["streamer"].streamer is recorder
+    retry["streamer"].put(torch.tensor([[5, 6]]))  # the retried call's prompt: dropped
+    retry["streamer"].put(torch.tensor([7]))
+    retry["streamer"].put(torch.tensor([8]))
+    retry["streamer"].end()
+    assert recorder.values == [[[5, 6]], [7], [7], [8]] and recorder.ended == 1

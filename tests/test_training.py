@@ -20,7 +20,8 @@ from transformers import AutoModelForCausalLM, Trainer, TrainerCallback, Trainin
 import optimum_neuron_torch as ont
 from optimum_neuron_torch.compiler import cache_stats
 from optimum_neuron_torch.errors import ConfigurationError
-from optimum_neuron_torch.training import BucketingDataCollator, trainer_integration
+from optimum_neuron_torch.training import SAVE_RANDOM_OPS, BucketingDataCollator, trainer_integration
+from optimum_neuron_torch.training.activation_checkpointing import _save_random_ops, with_random_ops_saved
 from testing_utils import launch
 from tiny_models import TINY_MODELS
 
@@ -202,6 +203,41 @@ def test_collator_refuses_what_would_change_the_shape():
         BucketingDataCollator(pad_token_id=0, buckets=(16, 8))
 
 
+def test_collator_pads_to_the_bucket_and_the_batch_size_exactly():
+    collator = BucketingDataCollator(pad_token_id=9, buckets=[1, 4, 6], batch_size=3)
+    batch = collator([{"input_ids": torch.tensor([[1, 2, 3, 4]])}, {"input_ids": (5,), "labels": [-100]}])
+    assert {name: (value.dtype, value.tolist()) for name, value in batch.items()} == {
+        "input_ids": (torch.long, [[1, 2, 3, 4], [5, 9, 9, 9], [9, 9, 9, 9]]),  # a 4-token bucket; a padding row
+        "attention_mask": (torch.long, [[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]),
+        "labels": (torch.long, [[1, 2, 3, 4], [-100, -100, -100, -100], [-100, -100, -100, -100]])}
+    assert collator.bucket(1) == 1 and collator.bucket(2) == 4 and collator.bucket(6) == 6
+    assert collator([{"input_ids": [7] * 5}] * 3)["input_ids"].shape == (3, 6)  # exactly batch_size rows
+    empty = collator([])  # (no examples: the smallest bucket, padding rows only)
+    assert empty["input_ids"].tolist() == [[9]] * 3 and empty["attention_mask"].tolist() == [[1]] * 3
+    unpadded = BucketingDataCollator(pad_token_id=0, buckets=(1, 2))([{"input_ids": [3]}, {"input_ids": [4, 5]}])
+    assert unpadded["input_ids"].tolist() == [[3, 0], [4, 5]]  # without batch_size: the examples' rows only
+    assert BucketingDataCollator(pad_token_id=0, buckets=(1,), batch_size=1).batch_size == 1
+    messages = {
+        "`buckets` must be increasing positive lengths, got (4, 4).": lambda: BucketingDataCollator(0, (4, 4)),
+        "`buckets` must be increasing positive lengths, got (0, 4).": lambda: BucketingDataCollator(0, (0, 4)),
+        "`buckets` must be increasing positive lengths, got ().": lambda: BucketingDataCollator(0, ()),
+        "`batch_size` must be at least 1, got 0.": lambda: BucketingDataCollator(0, (4,), 0),
+        "an example has 7 tokens, more than the largest bucket (6). Truncate the examples when tokenizing "
+        "(truncation=True, max_length=6) or add a larger bucket.": lambda: collator([{"input_ids": [1] * 7}]),
+        "a batch of 4 examples, more than batch_size=3; set batch_size to "
+        "TrainingArguments.per_device_train_batch_size.": lambda: collator([{"input_ids": [1]}] * 4),
+        "`input_ids` must be a list or tensor of token ids, got str.": lambda: collator([{"input_ids": "1 2"}]),
+        "`labels` must be a list or tensor of token ids, got int.": lambda: collator([{"input_ids": [1],
+                                                                                        "labels": 1}]),
+        "example 1 has 1 input_ids but 2 labels; they must be as long.": lambda: collator(
+            [{"input_ids": [1]}, {"input_ids": [1], "labels": [1, 2]}]),
+    }
+    for message, call in messages.items():
+        with pytest.raises(ConfigurationError) as error:
+            call()
+        assert str(error.value) == f"BucketingDataCollator: {message}"
+
+
 def test_bf16_autocast_on_neuron_trains(folder, tmp_path):
     model = ont.NeuronAutoModelForCausalLM.from_pretrained(folder)
     dtypes = set()
@@ -287,3 +323,15 @@ def test_lora_trains_saves_reloads_and_merges_on_neuron(folder, tmp_path):
         base = AutoModelForCausalLM.from_pretrained(folder)
         change = on_cpu(input_ids=prompt).logits - base(input_ids=prompt).logits
     assert change.abs().max() > 1e-2
+
+
+def test_the_random_op_policy_is_added_unless_the_caller_chose_reentrant_or_a_policy():
+    saved = {"use_reentrant": False, "context_fn": SAVE_RANDOM_OPS}
+    assert with_random_ops_saved(None) == saved and with_random_ops_saved({}) == saved
+    assert with_random_ops_saved({"use_reentrant": False, "debug": True}) == {**saved, "debug": True}
+    assert with_random_ops_saved({"use_reentrant": True}) == {"use_reentrant": True}
+    own = {"context_fn": print}
+    assert with_random_ops_saved(own) == own and with_random_ops_saved(own) is not own  # (a copy)
+    policy = torch.utils.checkpoint.CheckpointPolicy
+    assert _save_random_ops(None, torch.ops.aten.native_dropout.default) == policy.MUST_SAVE
+    assert _save_random_ops(None, torch.ops.aten.mm.default) == policy.PREFER_RECOMPUTE

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types import Completion, CompletionChoice, CompletionUsage, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice as ChatChoice
@@ -211,6 +211,8 @@ async def _respond(request: Request, engine: GenerationEngine, body: ChatComplet
     async for event in events:
         text.append(event.text)
         last = event
+    if last is None or last.finish_reason is None:  # the client went away: nobody to answer (nginx's 499)
+        return Response(status_code=499)
     finish, usage = _finish(last), _usage(len(prompt), last)
     if chat:
         message = ChatCompletionMessage(role="assistant", content="".join(text))
@@ -231,7 +233,7 @@ async def _events(request: Request, engine: GenerationEngine, job: EngineRequest
         while True:
             try:
                 event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_SECONDS)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # (the builtin TimeoutError from Python 3.11 on, not before)
                 if await request.is_disconnected():
                     return
                 continue

@@ -10,8 +10,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import Work
+from torch._C._distributed_c10d import Work, _create_work_from_future
 
 from ...errors import CollectiveError
 
@@ -81,7 +80,7 @@ class DoneWork(NeuronWork):
     def __init__(self, group: ProcessGroupNeuron, op: str, outputs: list[torch.Tensor]):
         future: torch.futures.Future = torch.futures.Future()
         future.set_result(outputs)
-        super().__init__(dist.distributed_c10d._create_work_from_future(future), group, op, outputs)
+        super().__init__(_create_work_from_future(future), group, op, outputs)
 
 
 # Host views whose gloo work outlived the wait below: kept for the process's life rather than let

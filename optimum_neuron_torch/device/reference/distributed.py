@@ -160,7 +160,8 @@ class ProcessGroupNeuron(ProcessGroup):
         views = []
         for index, tensor in enumerate(tensors):
             if not isinstance(tensor, torch.Tensor):
-                raise CollectiveArgumentError(f"{op}: {name}[{index}] is a {type(tensor).__name__}, not a tensor.")
+                raise CollectiveArgumentError(
+                    f"{op}: {name}[{index}] is of type {type(tensor).__name__}, not a tensor.")
             if tensor.device != device:
                 if tensor.device.type != BACKEND_NAME:
                     raise CollectiveArgumentError(
@@ -206,13 +207,13 @@ class ProcessGroupNeuron(ProcessGroup):
     def _check_list(self, op: str, name: str, tensors: Sequence[Any]) -> None:
         if len(tensors) != self.size():
             raise CollectiveArgumentError(
-                f"{op}: {name} has {len(tensors)} tensors on rank {self.rank()}, expected one per rank "
+                f"{op}: {name} has {len(tensors)} entries on rank {self.rank()}, expected one per rank "
                 f"({self.size()})."
             )
 
-    def _check_root(self, op: str, root: int) -> None:
+    def _check_root(self, op: str, root: int, role: str = "root") -> None:
         if not 0 <= root < self.size():
-            raise CollectiveArgumentError(f"{op}: root rank {root} is outside this group of {self.size()} ranks.")
+            raise CollectiveArgumentError(f"{op}: {role} rank {root} is outside this group of {self.size()} ranks.")
 
     def _failure(self, op: str, error: BaseException) -> CollectiveError:
         """The error a failed collective raises: gloo's, plus which peers have exited."""
@@ -451,10 +452,12 @@ class ProcessGroupNeuron(ProcessGroup):
 
     # ---- point to point ----
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Work:
+        self._check_root("send", dst, "destination")  # (gloo would wait for the timeout)
         views = self._views("send", "tensors", tensors)
         return self._run(f"send to rank {dst}", lambda: self._gloo.send(views, dst, tag), tensors, views)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Work:
+        self._check_root("recv", src, "source")
         views = self._views("recv", "tensors", tensors)
         return self._run(f"recv from rank {src}", lambda: self._gloo.recv(views, src, tag), tensors, views)
 

@@ -1,0 +1,411 @@
+"""The server in process (`serving.protocol`, `serving.app`, `serving.server`) for mutation testing: mutmut reruns
+these on each mutant, and a subprocess would import the unmutated package. Pure functions and the application over a
+scripted engine; one tiny compiled engine (2 slots, 6 graphs) answers with Transformers' greedy tokens on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+import transformers
+import uvicorn
+from openai.types import CompletionUsage
+from starlette.testclient import TestClient
+
+import optimum_neuron_torch as ont
+from optimum_neuron_torch.errors import InvalidRequestError, ServerBusyError
+from optimum_neuron_torch.generation.buckets import Buckets
+from optimum_neuron_torch.generation.engine import GenerationEngine
+from optimum_neuron_torch.generation.requests import Event, SamplingSettings
+from optimum_neuron_torch.serving import app as serving
+from optimum_neuron_torch.serving.app import build_app
+from optimum_neuron_torch.serving.protocol import ChatCompletionRequest, CompletionRequest, _type_tag, error_body
+from optimum_neuron_torch.serving.server import run_server
+from tiny_models import DECODER, VOCAB, tiny_tokenizer
+
+NAME = "tiny-llama"
+USER = [{"role": "user", "content": "what is the capital of france?"}]
+TOKENIZER = tiny_tokenizer("llama")
+TOKENIZER.chat_template = ("{% for message in messages %}{{ message['role'] }} {{ message['content'] }} {% endfor %}"
+                           "{% if add_generation_prompt %}assistant{% endif %}")
+CHAT_IDS = TOKENIZER.apply_chat_template(USER, add_generation_prompt=True, tokenize=True, return_dict=True).input_ids
+EVENTS = [Event("he", 1), Event("", 2), Event(" llo", 3, "stop")]  # what the scripted engine answers
+CHAT_ID, COMPLETION_ID = "chatcmpl-[0-9a-f]{32}", "cmpl-[0-9a-f]{32}"
+
+
+def chat(**fields) -> dict:
+    return {"model": NAME, "messages": USER, **fields}
+
+
+def parse(data: dict | bytes, request_type=ChatCompletionRequest):
+    return serving.parse(data if isinstance(data, bytes) else json.dumps(data).encode(), request_type)
+
+
+def refusal(data: dict | bytes, request_type=ChatCompletionRequest) -> tuple[str | None, str]:
+    with pytest.raises(InvalidRequestError) as caught:
+        parse(data, request_type)
+    return caught.value.param, str(caught.value)
+
+
+class ScriptedEngine:
+    """The engine as the application sees it, without a model: `submit` checks a request, keeps it, answers."""
+
+    def __init__(self, events=EVENTS, busy=None, ready=True, alive=True, failure=None, tokenizer=TOKENIZER):
+        self.events, self.busy, self.alive, self.failure, self.tokenizer = events, busy, alive, failure, tokenizer
+        self.model = SimpleNamespace(generation_config=transformers.GenerationConfig(),
+                                     get_input_embeddings=lambda: torch.nn.Embedding(VOCAB, 1))
+        self.ready, self.busy_slots, self.waiting, self.jobs, self.cancelled = threading.Event(), 1, 2, [], []
+        self.ready.set() if ready else None
+        self.device_memory, self.cancel, self.stop = lambda: 123, self.cancelled.append, self.ready.clear
+
+    def submit(self, job, prompt_field="prompt") -> None:
+        job.check(64, prompt_field)
+        if self.busy:
+            raise self.busy
+        self.jobs.append((job, prompt_field))
+        for event in self.events:
+            job.on_event(event)
+
+
+def call(app, method: str, path: str, raise_app_exceptions: bool = False, **kwargs) -> httpx.Response:
+    async def send() -> httpx.Response:  # (by default, the 500 answering an exception, rather than the exception)
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=raise_app_exceptions)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as http:
+            return await http.request(method, path, **kwargs)
+
+    return asyncio.run(send())
+
+
+def sse(response: httpx.Response) -> list[dict]:
+    """The chunks of a streamed answer, checking its framing (`data: ...` events, then `data: [DONE]`)."""
+    headers, frames = response.headers, response.text.split("\n\n")
+    assert headers["content-type"].startswith("text/event-stream") and headers["cache-control"] == "no-cache"
+    assert frames[-2:] == ["data: [DONE]", ""] and all(frame.startswith("data: {") for frame in frames[:-2])
+    return [json.loads(frame.removeprefix("data: ")) for frame in frames[:-2]]
+
+
+def test_parse_reads_the_fields_and_refuses_bad_ones_naming_them():
+    for fields, param in [
+        ({"model": 1}, "model"), ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"), ({"n": 2}, "n"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"), ({"top_k": -2}, "top_k"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages.0.content"),
+        ({"max_tokens": "10"}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"), ({"seed": 2**63}, "seed"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"), ({"stop": 1}, "stop"), ({"stream": "yes"}, "stream"),
+        ({"temperature": 2.5}, "temperature"), ({"top_p": 0}, "top_p"), ({"presence_penalty": 3}, "presence_penalty"),
+        ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ]:
+        field, message = refusal(chat(**fields))
+        assert field == param and message.startswith(f"{param}: "), message
+    for data, message in [(b'{"model": ', "is not valid JSON: Expecting"), (b"\xff", "is not valid JSON: 'utf-8'"),
+                          (b"[1]", "must be a JSON object, got list"), (b'"stop"', "must be a JSON object, got str")]:
+        assert refusal(data)[0] is None and refusal(data)[1].startswith(f"the request body {message}"), refusal(data)
+    assert [refusal({"messages": USER}), refusal({"model": NAME})] == [
+        ("model", "model: Field required"), ("messages", "messages: Field required")]
+    for fields in (dict(logprobs=True), dict(logprobs=1), dict(logprobs=None, echo=0), dict(logit_bias={"1": 2})):
+        name = next(name for name, value in fields.items() if value is not None)
+        assert refusal(chat(**fields)) == (name, f"{name} is not supported by this server; leave it out")
+    body = parse(chat(max_tokens=5, temperature=0.5, top_p=0.9, top_k=-1, seed=-(2**63), stop=list("abcd"),
+                      stream=True, stream_options={"include_usage": True}, logprobs=False, echo=False, tools=[]))
+    assert (body.model, body.max_tokens, body.temperature, body.top_p, body.top_k, body.seed, body.stream) == (
+        NAME, 5, 0.5, 0.9, -1, -(2**63), True)
+    assert (body.stop_strings(), body.include_usage(), body.max_new_tokens()) == (list("abcd"), True, 5)
+    body = parse(chat(stop="x", max_tokens=5, max_completion_tokens=7, logprobs=0, best_of=1))
+    assert (body.stop_strings(), body.include_usage(), body.max_new_tokens()) == (["x"], False, 7)
+    body = parse(chat(stream_options={"include_usage": False}))
+    assert (body.stop_strings(), body.include_usage(), body.max_new_tokens()) == ([], False, None)
+    with pytest.raises(InvalidRequestError, match=r"^at most 4 stop strings, got 5$") as caught:
+        parse(chat(stop=list("abcde"))).stop_strings()
+    assert caught.value.param == "stop" and parse(chat()).messages[0].text() == USER[0]["content"]
+    parts = [{"type": "text", "text": "what is "}, {"type": "text", "text": "it?"}]
+    assert parse(chat(messages=[{"role": "user", "content": parts}])).messages[0].text() == "what is it?"
+    assert [parse({"model": NAME, "prompt": [1, 2], **fields}, CompletionRequest).max_new_tokens()
+            for fields in ({}, {"max_tokens": 3})] == [16, 3]  # (the OpenAI API's default: 16)
+    assert refusal({"model": NAME, "prompt": [1.5]}, CompletionRequest)[0] == "prompt"
+
+
+def test_type_tags_error_body_check_model_finish_usage_and_sampling_from_the_body_then_the_config():
+    tags = ("str", "int", "float", "bool", "list[int]", "function-after[f]", "messages", 0, "content")
+    assert [_type_tag(tag) for tag in tags] == [True] * 6 + [False] * 3
+    assert error_body("m", "k", "p") == {"error": {"message": "m", "type": "k", "param": "p", "code": None}}
+    serving._check_model(NAME, NAME)
+    with pytest.raises(InvalidRequestError, match=r"^model 'other' is not served here; this server serves "
+                                                  r"'tiny-llama' \(GET /v1/models\)$") as caught:
+        serving._check_model("other", NAME)
+    assert caught.value.param == "model"
+    assert [serving._finish(Event("", 1, reason)) for reason in ("stop", "length")] == ["stop", "length"]
+    with pytest.raises(RuntimeError, match=r"^the serving engine failed during this request: the engine stopped$"):
+        serving._finish(Event("", 1, "error"))
+    assert serving._usage(4, Event("", 3)) == CompletionUsage(prompt_tokens=4, completion_tokens=3, total_tokens=7)
+
+    def sampling(config, **fields) -> SamplingSettings:
+        return serving._sampling(SimpleNamespace(model=SimpleNamespace(generation_config=config)),
+                                 parse(chat(**fields)))
+
+    greedy = transformers.GenerationConfig(top_k=50, top_p=0.5, repetition_penalty=1.2)  # (does not sample)
+    assert sampling(greedy) == SamplingSettings(0.0, 1.0, 0, 0.0, 1.2, 0.0, 0.0, None)
+    given = dict(temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.3, presence_penalty=0.5,
+                 frequency_penalty=-0.5, seed=3)
+    sampled = SimpleNamespace(do_sample=True, temperature=0.6, top_p=0.8, top_k=20, min_p=0.5, repetition_penalty=None)
+    assert sampling(greedy, **given) == sampling(sampled, **given) == SamplingSettings(**given)
+    assert sampling(sampled) == SamplingSettings(0.6, 0.8, 20, 0.5, 1.0, 0.0, 0.0, None)
+    assert sampling(sampled, temperature=0, top_k=-1) == SamplingSettings(0.0, 0.8, 0, 0.5)
+    unset = SimpleNamespace(**{name: None for name in vars(sampled)} | {"do_sample": True})
+    assert sampling(unset) == SamplingSettings(1.0, 1.0, 0, 0.0, 1.0, 0.0, 0.0, None)
+
+
+def test_events_end_at_the_last_one_or_when_the_client_goes_and_cancel_the_request(monkeypatch):
+    monkeypatch.setattr(serving, "DISCONNECT_POLL_SECONDS", 0.01)
+    engine, job = ScriptedEngine(), object()
+
+    async def run(events: list[Event], gone_after: int) -> list[Event]:
+        queue, polls = asyncio.Queue(), []
+        for event in events:
+            queue.put_nowait(event)
+
+        async def is_disconnected() -> bool:
+            polls.append(True)
+            if len(polls) == 1:
+                queue.put_nowait(Event("late", 1, "stop"))  # (arrives after a poll that found the client there)
+            return len(polls) > gone_after
+
+        client = SimpleNamespace(is_disconnected=is_disconnected)
+        return [event async for event in serving._events(client, engine, job, queue)]
+
+    assert asyncio.run(run([Event("a", 1), Event("b", 2, "length"), Event("c", 3)], 0)) == [
+        Event("a", 1), Event("b", 2, "length")]
+    assert asyncio.run(run([], 0)) == []  # (the client went: no event)
+    assert asyncio.run(run([], 1)) == [Event("late", 1, "stop")]
+    assert engine.cancelled == [job] * 3
+
+    async def left(events: list[Event]):  # a client that goes before its whole answer: nobody to answer
+        async def is_disconnected() -> bool:
+            return True
+
+        client = SimpleNamespace(is_disconnected=is_disconnected)
+        return await serving._respond(client, ScriptedEngine(events), parse(chat()), CHAT_IDS, chat=True)
+
+    assert [asyncio.run(left(events)).status_code for events in ([], EVENTS[:1])] == [499, 499]
+    assert asyncio.run(left(EVENTS)).status_code == 200  # (finished before anyone asked)
+
+
+# The application over a scripted engine ---------------------------------------------------------------
+def test_health_models_api_key_body_limit_and_shutdown():
+    engine = ScriptedEngine()
+    app = build_app(engine, NAME, api_key="secret", max_body_bytes=200)
+    health = {"status": "ok", "device_memory_allocated": 123, "running": 1, "waiting": 2}
+    assert call(app, "GET", "/health").json() == health  # (no key wanted)
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "secret"}, {"Authorization": "secret x"}):
+        response = call(app, "GET", "/v1/models", headers=headers)
+        assert (response.status_code, response.json()) == (401, error_body(
+            "missing or wrong API key: send the header `Authorization: Bearer <key>`", "invalid_request_error"))
+    key = {"Authorization": "Bearer secret"}
+    models = call(app, "GET", "/v1/models", headers=key).json()
+    model, = models.pop("data")
+    assert models == {"object": "list"} and abs(model["created"] - time.time()) < 60
+    assert (model["id"], model["object"], model["owned_by"]) == (NAME, "model", "optimum-neuron-torch")
+    assert call(build_app(ScriptedEngine(), NAME), "GET", "/v1/models").status_code == 200  # (no key at all)
+    for state, status in [(dict(ready=False), "loading"), (dict(alive=False), "stopped"),
+                          (dict(alive=False, failure=RuntimeError()), "failed")]:
+        response = call(build_app(ScriptedEngine(**state), NAME), "GET", "/health")
+        assert (response.status_code, response.json()) == (503, {"status": status})
+    assert call(app, "GET", "/v1/completions").headers["allow"] == "POST"  # (a 405 keeps its header)
+    body = json.dumps({"model": NAME, "prompt": [1, 2], "max_tokens": 3}).encode()
+
+    async def pieces(data: bytes):  # (no Content-Length: counted while read)
+        for start in range(0, len(data), 50):
+            yield data[start:start + 50]
+
+    for content, message in [(body.ljust(201), "the request body has 201 bytes, above this server's 200 bytes"),
+                             (pieces(body.ljust(201)), "the request body is above this server's 200 bytes")]:
+        response = call(app, "POST", "/v1/completions", content=content, headers=key)
+        assert (response.status_code, response.json()) == (413, error_body(message, "invalid_request_error"))
+    for content in (body.ljust(200), pieces(body.ljust(200))):  # (the limit itself is taken)
+        assert call(app, "POST", "/v1/completions", content=content, headers=key).status_code == 200
+    with TestClient(app):  # (runs the application's startup and shutdown)
+        assert engine.ready.is_set()
+    assert not engine.ready.is_set()  # (the shutdown stopped the engine)
+
+
+def test_bad_requests_and_busy_failed_or_stopped_engines_get_openai_error_bodies():
+    def answer(data, engine=None, path="/v1/completions") -> httpx.Response:
+        content = data if isinstance(data, bytes) else json.dumps(data).encode()
+        return call(build_app(engine or ScriptedEngine(), NAME), "POST", path, content=content)
+
+    for path, data, param, message in [
+        ("/v1/chat/completions", b'{"model": ', None, "the request body is not valid JSON"),
+        ("/v1/chat/completions", chat(model="other"), "model", "model 'other' is not served here"),
+        ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "the cat " * 40}]), "messages", "the "),
+        ("/v1/completions", {"model": "other", "prompt": "hi"}, "model", "model 'other'"),
+        ("/v1/completions", {"model": NAME, "prompt": []}, "prompt", "the prompt has no tokens"),
+        ("/v1/completions", {"model": NAME, "prompt": ["a", "b"]}, "prompt", "one prompt per request, got 2"),
+        ("/v1/completions", {"model": NAME, "prompt": [1, VOCAB]}, "prompt", "token ids must be in [0, 128), the"),
+        ("/v1/completions", {"model": NAME, "prompt": [-1]}, "prompt", "token ids must be in [0, 128), the"),
+        ("/v1/completions", {"model": NAME, "prompt": [1, 2], "max_tokens": 63}, "max_tokens", "max_tokens is 63"),
+    ]:
+        response = answer(data, path=path)
+        error = response.json()["error"]
+        assert (response.status_code, error["type"], error["param"]) == (400, "invalid_request_error", param)
+        assert error["message"].startswith(message), error
+    no_template = answer(chat(), ScriptedEngine(tokenizer=tiny_tokenizer("llama")), "/v1/chat/completions").json()
+    assert no_template == error_body("this model's tokenizer has no chat template: use /v1/completions",
+                                     "invalid_request_error", "messages")
+    full = answer({"model": NAME, "prompt": [1, 2]}, ScriptedEngine(busy=ServerBusyError("full", retry_after=1)))
+    assert (full.status_code, full.headers["retry-after"], full.json()) == (
+        429, "1", error_body("full", "rate_limit_exceeded"))
+    stopped = answer({"model": NAME, "prompt": [1, 2]}, ScriptedEngine(busy=ServerBusyError("stopping")))
+    assert (stopped.status_code, stopped.json(), "retry-after" in stopped.headers) == (
+        503, error_body("stopping", "service_unavailable"), False)
+    failing = [Event("a", 1), Event("", 1, "error", "boom")]
+    failed = answer(chat(), ScriptedEngine(events=failing), "/v1/chat/completions")
+    assert (failed.status_code, failed.json()) == (500, error_body(
+        "internal error: RuntimeError: the serving engine failed during this request: boom", "server_error"))
+    for path, data in [("/v1/completions", {"model": NAME, "prompt": [1]}), ("/v1/chat/completions", chat())]:
+        with pytest.raises(RuntimeError, match="during this request: boom$"):  # (it cuts the stream short)
+            call(build_app(ScriptedEngine(events=failing), NAME), "POST", path, json={**data, "stream": True},
+                 raise_app_exceptions=True)
+
+
+def test_answers_whole_and_streamed_over_a_scripted_engine():
+    engine = ScriptedEngine()
+    app = build_app(engine, NAME)
+    usage = {"prompt_tokens": len(CHAT_IDS), "completion_tokens": 3, "total_tokens": len(CHAT_IDS) + 3}
+    data = call(app, "POST", "/v1/chat/completions", json=chat(max_tokens=4, stop="x", temperature=0.5, seed=1)).json()
+    assert re.fullmatch(CHAT_ID, data.pop("id")) and abs(data.pop("created") - time.time()) < 60
+    assert data == {"object": "chat.completion", "model": NAME, "usage": usage, "choices": [
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "he llo"}}]}
+    (job, field), = engine.jobs
+    assert (job.prompt, job.max_tokens, job.stop, field) == (CHAT_IDS, 4, ["x"], "messages")
+    assert job.sampling == SamplingSettings(temperature=0.5, seed=1) and engine.cancelled == [job]
+    data = call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": [0, VOCAB - 1]}).json()
+    assert re.fullmatch(COMPLETION_ID, data.pop("id")) and abs(data.pop("created") - time.time()) < 60
+    assert data == {"object": "text_completion", "model": NAME, "choices": [
+        {"index": 0, "text": "he llo", "finish_reason": "stop"}], "usage": {
+        "prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}
+    assert [(job.prompt, job.max_tokens, field) for job, field in engine.jobs[-1:]] == [([0, VOCAB - 1], 16, "prompt")]
+    for prompt in ("the cat", ["the cat"]):
+        call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": prompt})
+        assert engine.jobs[-1][0].prompt == TOKENIZER("the cat").input_ids
+    chat_choices = [{"delta": delta, "index": 0, "finish_reason": finish} for delta, finish in [
+        ({"content": "", "role": "assistant"}, None), ({"content": "he"}, None), ({"content": " llo"}, None),
+        ({}, "stop")]]
+    text_choices = [{"finish_reason": finish, "index": 0, "logprobs": None, "text": text}
+                    for text, finish in [("he", None), (" llo", "stop")]]
+    for path, data, pattern, kind, choices, prompt in [
+        ("/v1/chat/completions", chat(), CHAT_ID, "chat.completion.chunk", chat_choices, len(CHAT_IDS)),
+        ("/v1/completions", {"model": NAME, "prompt": [5, 6]}, COMPLETION_ID, "text_completion", text_choices, 2),
+    ]:
+        for include_usage in (True, False):
+            chunks = sse(call(app, "POST", path, json={**data, "stream": True,
+                                                       "stream_options": {"include_usage": include_usage}}))
+            head = {"id": chunks[0]["id"], "created": chunks[0]["created"], "model": NAME, "object": kind}
+            assert re.fullmatch(pattern, head["id"]) and abs(head["created"] - time.time()) < 60
+            usage = {"prompt_tokens": prompt, "completion_tokens": 3, "total_tokens": prompt + 3}
+            assert chunks == [{**head, "choices": [choice]} for choice in choices] + [
+                {**head, "choices": [], "usage": usage}] * include_usage
+
+
+@pytest.mark.parametrize("arguments, host, port, drain, key", [({}, "127.0.0.1", 8000, 120, None), (
+    dict(host="::", port=9, api_key="k", drain_seconds=3), "::", 9, 3, "k")])
+def test_run_server_serves_from_a_thread_while_the_engine_runs_on_this_one(monkeypatch, arguments, host, port,
+                                                                          drain, key):
+    servers, seen, signals = [], [], (signal.SIGINT, signal.SIGTERM)
+
+    def serve(server) -> None:  # (uvicorn's loop, without a socket: until told to stop)
+        servers.append((server, threading.current_thread().name))
+        deadline = time.monotonic() + 10
+        while not server.should_exit and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append(server.should_exit)
+
+    monkeypatch.setattr(uvicorn.Server, "run", serve)
+    before, engine = [signal.getsignal(sig) for sig in signals], ScriptedEngine()
+    engine.run = lambda show_progress: seen.append(
+        (show_progress, [signal.getsignal(sig) for sig in signals] == [servers[0][0].handle_exit] * 2))
+    run_server(engine, NAME, **arguments, show_progress=not key)
+    (server, thread), = servers
+    assert (server.config.host, server.config.port, server.config.timeout_graceful_shutdown) == (host, port, drain)
+    assert server.config.log_level == "info" and thread == "neuron-serving-http" and seen == [(not key, True), True]
+    assert [signal.getsignal(sig) for sig in signals] == before
+    assert call(server.config.app, "GET", "/v1/models").status_code == (401 if key else 200)
+    assert call(server.config.app, "GET", "/health").json()["status"] == "ok"  # (this engine's health)
+    engine.failure = ValueError("no memory")
+    with pytest.raises(RuntimeError, match="^the serving engine failed$") as caught:
+        run_server(engine, NAME)
+    assert caught.value.__cause__ is engine.failure
+    assert seen[2][0] is True  # a progress bar by default
+
+
+# The application over a compiled engine: Transformers' tokens ------------------------------------------
+@pytest.fixture(scope="module")
+def cpu_model(tmp_path_factory):
+    """A tiny Llama (random weights, no end-of-sequence token within reach), saved in its `folder`."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DECODER)).eval()
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.add_(0.1 * torch.randn_like(tensor))
+    model.generation_config.eos_token_id = None  # (every answer runs to max_tokens or a stop string)
+    model.folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(model.folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def app(cpu_model):
+    """The application over an engine of 2 slots, 64 positions and one prompt bucket (6 graphs)."""
+    model = ont.NeuronAutoModelForCausalLM.from_pretrained(cpu_model.folder)
+    engine = GenerationEngine(model, Buckets.for_slots(model.config, 2, 64, (16,)), TOKENIZER)
+    engine.start(show_progress=False)
+    engine.wait_ready(timeout=600)
+    yield build_app(engine, NAME)  # (the ASGI transport runs no lifespan: the fixture stops the engine)
+    engine.stop(60)
+    assert not engine.alive
+
+
+def expected(cpu_model, prompt: list[int], new_tokens: int) -> tuple[list[int], str]:
+    """Transformers' greedy tokens on the CPU, and their text."""
+    with torch.no_grad():
+        tokens = cpu_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
+    tokens = tokens[0, len(prompt):].tolist()
+    return tokens, TOKENIZER.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_answers_are_transformers_greedy_tokens_up_to_a_stop_string_and_seeds_reproduce(app, cpu_model):
+    _, text = expected(cpu_model, CHAT_IDS, 10)
+    usage = {"prompt_tokens": len(CHAT_IDS), "completion_tokens": 10, "total_tokens": len(CHAT_IDS) + 10}
+    parts = [{"type": "text", "text": "what is the capital "}, {"type": "text", "text": "of france?"}]
+    # (no temperature: the model's generation config does not sample; max_completion_tokens wins)
+    answer = call(app, "POST", "/v1/chat/completions", json=chat(
+        messages=[{"role": "user", "content": parts}], max_tokens=3, max_completion_tokens=10)).json()
+    assert answer["choices"] == [{"index": 0, "finish_reason": "length",
+                                  "message": {"role": "assistant", "content": text}}] and answer["usage"] == usage
+    chunks = sse(call(app, "POST", "/v1/chat/completions", json=chat(max_tokens=10, stream=True,
+                                                                     stream_options={"include_usage": True})))
+    assert "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in chunks[:-1]) == text
+    assert len(chunks) > 5 and chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"] == usage
+    question, prompt = "paris is the capital of", TOKENIZER("paris is the capital of").input_ids
+    tokens, text = expected(cpu_model, prompt, 20)
+
+    def complete(**fields) -> dict:
+        return call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": question, **fields}).json()
+
+    answer = complete(max_tokens=20)
+    assert (answer["choices"][0]["text"], answer["usage"]["completion_tokens"]) == (text, 20)
+    stop = TOKENIZER.decode(tokens[5:7], skip_special_tokens=True).strip()  # (from the middle of the answer)
+    answer = complete(max_tokens=20, temperature=0, stop=[stop, "never met"])
+    assert stop and (answer["choices"][0]["text"], answer["choices"][0]["finish_reason"]) == (
+        text[:text.index(stop)], "stop")
+    assert answer["usage"]["completion_tokens"] < 20
+    chunks = sse(call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": prompt, "stream": True}))
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == expected(cpu_model, prompt, 16)[1]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    samples = [complete(max_tokens=12, temperature=1.0, seed=seed)["choices"][0]["text"] for seed in (7, 7, 8)]
+    assert samples[0] == samples[1] != samples[2]  # (the same seed, the same text; another, another)
