@@ -166,3 +166,10 @@ def test_saved_buckets_read_their_prompt_buckets_by_either_name_the_current_one_
     assert [str(warning.message) for warning in caught] == [
         "these saved buckets name their prompt buckets `prompt_lengths`, as development versions before 0.1.0.dev0 "
         "did: read as `prompt_buckets` (save the model again to update the file)."]
+
+
+def test_a_context_bucket_above_the_cache_is_named():
+    with pytest.raises(Exception) as caught:
+        Buckets((1,), (16,), 96, (24, 48, 128))
+    assert str(caught.value) == ("context bucket 128 is above max_length (96), the length of the KV cache they are "
+                                 "parts of.")

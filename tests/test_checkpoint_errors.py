@@ -405,3 +405,15 @@ def test_mutated_checkpoints_load_correctly_or_fail_cleanly(pristine, tmp_path_f
         assert absent - {"lm_head.weight"} <= info["missing_keys"] <= absent
         del model, state
     assert torch.neuron.memory_allocated() == before
+
+
+def test_a_device_of_unknown_memory_skips_the_check_and_says_so(monkeypatch, caplog):
+    from optimum_neuron_torch.loading import loader
+
+    monkeypatch.setattr(loader, "mem_get_info", lambda device: (0, 0))  # (what a backend that cannot tell answers)
+    with torch.device("meta"):
+        model = torch.nn.Linear(1024, 1024, bias=False)
+    with caplog.at_level("INFO", logger=loader.logger.name):
+        loader.check_device_memory(model, torch.device("neuron:0"), "big")  # not refused
+    assert caplog.messages == ["big: the memory of neuron:0 is unknown to the backend (total_memory 0); the check "
+                               "that 4.00 MiB fits is skipped"]

@@ -220,3 +220,18 @@ def test_sentence_embeddings_of_the_packaged_minilm_match_cpu():
     torch.testing.assert_close(norms, torch.ones(3))
     similarity = embeddings @ embeddings.T
     assert similarity[0, 2] > similarity[0, 1]  # real embeddings: related sentences are closer
+
+
+def test_release_gives_the_device_memory_back_and_leaves_meta_tensors_of_the_same_shapes():
+    from optimum_neuron_torch.loading.loader import release
+
+    model = torch.nn.Linear(64, 32, dtype=torch.bfloat16).to("neuron")
+    model.register_buffer("steps", torch.arange(5, device="neuron"))
+    model.register_buffer("unused", None)
+    allocated = torch.neuron.memory_allocated()
+    release(model)
+    assert {name: (tensor.device.type, tensor.shape, tensor.dtype) for name, tensor in
+            [*model.named_parameters(), *model.named_buffers()]} == {
+        "weight": ("meta", (32, 64), torch.bfloat16), "bias": ("meta", (32,), torch.bfloat16),
+        "steps": ("meta", (5,), torch.int64)}
+    assert torch.neuron.memory_allocated() < allocated and model.unused is None

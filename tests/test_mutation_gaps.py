@@ -505,3 +505,14 @@ def test_the_loading_progress_bar_counts_bytes_of_the_model():
     with _progress(3 * 2**20, "org/model") as bar:
         assert (bar.total, bar.unit, bar.unit_scale, bar.unit_divisor) == (3 * 2**20, "B", True, 1024)
         assert bar.desc == "Loading org/model" and bar.leave is False
+
+
+@pytest.mark.parametrize("rank, shown", [(0, True), (1, False)])
+def test_one_loading_progress_bar_per_job(monkeypatch, rank, shown):
+    from optimum_neuron_torch.loading import loader
+
+    monkeypatch.setenv("TQDM_DISABLE", "0")
+    monkeypatch.setattr(loader.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(loader.dist, "get_rank", lambda: rank)
+    with loader._progress(10, "org/model") as bar:
+        assert bar.disable is not shown  # (rank 0 shows it)

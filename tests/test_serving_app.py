@@ -117,8 +117,8 @@ def test_parse_reads_the_fields_and_refuses_bad_ones_naming_them():
     assert (body.model, body.max_tokens, body.temperature, body.top_p, body.top_k, body.seed, body.stream) == (
         NAME, 5, 0.5, 0.9, -1, -(2**63), True)
     assert (body.stop_strings(), body.include_usage(), body.max_new_tokens()) == (list("abcd"), True, 5)
-    body = parse(chat(stop="x", max_tokens=5, max_completion_tokens=7, logprobs=0, best_of=1))
-    assert (body.stop_strings(), body.include_usage(), body.max_new_tokens()) == (["x"], False, 7)
+    body = parse(chat(stop="x y", max_tokens=5, max_completion_tokens=7, logprobs=0, best_of=1))
+    assert (body.stop_strings(), body.include_usage(), body.max_new_tokens()) == (["x y"], False, 7)
     body = parse(chat(stream_options={"include_usage": False}))
     assert (body.stop_strings(), body.include_usage(), body.max_new_tokens()) == ([], False, None)
     with pytest.raises(InvalidRequestError, match=r"^at most 4 stop strings, got 5$") as caught:
@@ -196,6 +196,22 @@ def test_events_end_at_the_last_one_or_when_the_client_goes_and_cancel_the_reque
     assert asyncio.run(left(EVENTS)).status_code == 200  # (finished before anyone asked)
 
 
+
+class SlowEngine(ScriptedEngine):
+    """Answers from another thread, a while after the request: the application waits, asking its client."""
+
+    def submit(self, job, prompt_field="prompt") -> None:
+        events, self.events = self.events, []
+        super().submit(job, prompt_field)
+        threading.Timer(0.05, lambda: [job.on_event(event) for event in events]).start()
+
+
+def test_a_request_waiting_for_its_answer_asks_whether_its_client_is_there(monkeypatch):
+    monkeypatch.setattr(serving, "DISCONNECT_POLL_SECONDS", 0.01)  # (several polls before the answer)
+    response = call(build_app(SlowEngine(), NAME), "POST", "/v1/chat/completions", json=chat())
+    assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == "he llo"
+
+
 # The application over a scripted engine ---------------------------------------------------------------
 def test_health_models_api_key_body_limit_and_shutdown():
     engine = ScriptedEngine()
@@ -212,6 +228,10 @@ def test_health_models_api_key_body_limit_and_shutdown():
     assert models == {"object": "list"} and abs(model["created"] - time.time()) < 60
     assert (model["id"], model["object"], model["owned_by"]) == (NAME, "model", "optimum-neuron-torch")
     assert call(build_app(ScriptedEngine(), NAME), "GET", "/v1/models").status_code == 200  # (no key at all)
+    spaced = build_app(ScriptedEngine(), NAME, api_key="two words")  # (everything after "Bearer " is the key)
+    assert call(spaced, "GET", "/v1/models", headers={"Authorization": "Bearer two words"}).status_code == 200
+    for path in ("/docs", "/redoc", "/openapi.json"):  # no API description served, with or without a key
+        assert call(build_app(ScriptedEngine(), NAME), "GET", path).status_code == 404
     for state, status in [(dict(ready=False), "loading"), (dict(alive=False), "stopped"),
                           (dict(alive=False, failure=RuntimeError()), "failed")]:
         response = call(build_app(ScriptedEngine(**state), NAME), "GET", "/health")
@@ -291,8 +311,9 @@ def test_answers_whole_and_streamed_over_a_scripted_engine():
         "prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}
     assert [(job.prompt, job.max_tokens, field) for job, field in engine.jobs[-1:]] == [([0, VOCAB - 1], 16, "prompt")]
     for prompt in ("the cat", ["the cat"]):
-        call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": prompt})
-        assert engine.jobs[-1][0].prompt == TOKENIZER("the cat").input_ids
+        jobs = len(engine.jobs)
+        assert call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": prompt}).status_code == 200
+        assert len(engine.jobs) == jobs + 1 and engine.jobs[-1][0].prompt == TOKENIZER("the cat").input_ids
     chat_choices = [{"delta": delta, "index": 0, "finish_reason": finish} for delta, finish in [
         ({"content": "", "role": "assistant"}, None), ({"content": "he"}, None), ({"content": " llo"}, None),
         ({}, "stop")]]

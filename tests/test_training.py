@@ -335,3 +335,24 @@ def test_the_random_op_policy_is_added_unless_the_caller_chose_reentrant_or_a_po
     policy = torch.utils.checkpoint.CheckpointPolicy
     assert _save_random_ops(None, torch.ops.aten.native_dropout.default) == policy.MUST_SAVE
     assert _save_random_ops(None, torch.ops.aten.mm.default) == policy.PREFER_RECOMPUTE
+
+
+def test_checkpointing_gets_the_policy_through_the_models_own_method_once():
+    from optimum_neuron_torch.training import save_random_ops_when_checkpointing
+
+    class Model(torch.nn.Module):
+        def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None, *args, **kwargs):
+            self.calls.append((activation_checkpointing_kwargs, args, kwargs))
+
+    model, plain = Model(), torch.nn.Linear(1, 1)
+    model.calls = []
+    save_random_ops_when_checkpointing(plain)  # (a module without the method: left alone)
+    assert "activation_checkpointing_enable" not in vars(plain)
+    save_random_ops_when_checkpointing(model)
+    wrapper = model.activation_checkpointing_enable
+    save_random_ops_when_checkpointing(model)  # (once: the wrapper is kept)
+    assert model.activation_checkpointing_enable is wrapper
+    model.activation_checkpointing_enable({"use_reentrant": True}, "extra", flag=1)
+    model.activation_checkpointing_enable()
+    assert model.calls == [({"use_reentrant": True}, ("extra",), {"flag": 1}),
+                           ({"use_reentrant": False, "context_fn": SAVE_RANDOM_OPS}, (), {})]
