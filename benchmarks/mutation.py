@@ -3,6 +3,7 @@
     pip install -e ".[dev,mutation]"
     python benchmarks/mutation.py            # the whole campaign (14-45 minutes on 2 cores, see MUTATION.md)
     python benchmarks/mutation.py --report   # the table of the last campaign, without running it
+    python benchmarks/mutation.py --markdown # EQUIVALENT as MUTATION.md's list of equivalent mutants
 
 mutmut copies `optimum_neuron_torch` into `mutants/` (git-ignored), mutates only the modules listed
 in `[tool.mutmut] only_mutate` of pyproject.toml, runs the fast in-process tests of
@@ -231,7 +232,7 @@ EQUIVALENT: dict[str, str] = {
     "optimum_neuron_torch.loading.loader.x_finalize__mutmut_7":
         "`skipped_pp_keys=set()` -> `None`: read only for pipeline-parallel loading, which the library does "
         "not do",
-    "optimum_neuron_torch.loading.safetensors_file.xǁSafetensorsFileǁ__init____mutmut_20":
+    "optimum_neuron_torch.loading.safetensors_file.xǁSafetensorsFileǁ__init____mutmut_23":
         "`if size` -> `if size or True`: the header check before it refuses files under 8 bytes, so size is "
         "never 0 there",
     "optimum_neuron_torch.serving.app.x__respond__mutmut_76":
@@ -329,6 +330,62 @@ EQUIVALENT: dict[str, str] = {
         "`mem_get_info(device)` -> `mem_get_info(None)` (the current device) after emptying the cache: the "
         "same device in every test process, which has one, and from_pretrained resolves `neuron` to the "
         "current device before the check",
+    "optimum_neuron_torch.loading.safetensors_file.xǁSafetensorsFileǁ_read_header__mutmut_71":
+        "`zip(..., strict=False)` -> `strict=None`: False is zip's default and None is false",
+    "optimum_neuron_torch.loading.safetensors_file.xǁSafetensorsFileǁ_read_header__mutmut_74":
+        "`strict=False` dropped: zip's default",
+    "optimum_neuron_torch.loading.safetensors_file.xǁSafetensorsFileǁtensor__mutmut_35":
+        "`0 <= first < nbytes` -> `first <= nbytes`: a piece of at least one element starts before the "
+        "tensor's last byte, so its first byte is never nbytes",
+    "optimum_neuron_torch.loading.safetensors_file.xǁSafetensorsFileǁtensor__mutmut_45":
+        "`zip(piece.shape, piece.stride(), strict=True)` -> `strict=None`: a tensor has one stride per "
+        "dimension, so the lengths never differ",
+    "optimum_neuron_torch.loading.safetensors_file.xǁSafetensorsFileǁtensor__mutmut_48":
+        "`strict=True` dropped: same as tensor__mutmut_45",
+    "optimum_neuron_torch.loading.safetensors_file.xǁSafetensorsFileǁtensor__mutmut_49":
+        "`strict=True` -> `strict=False`: same as tensor__mutmut_45",
+    "optimum_neuron_torch.device.reference.distributed.xǁProcessGroupNeuronǁ_failure__mutmut_4":
+        "`exited: list[int] = []` -> `None`: the loop assigns it before it is read",
+    "optimum_neuron_torch.device.reference.distributed.xǁProcessGroupNeuronǁ_failure__mutmut_12":
+        "`time.monotonic() >= deadline` -> `>`: they differ only when the clock reads the deadline exactly, "
+        "and then the loop stops one 50 ms poll later",
+    "optimum_neuron_torch.device.reference.distributed.xǁProcessGroupNeuronǁalltoall__mutmut_67":
+        "`zip(outputs, receive.split(sizes of outputs), strict=True)` -> `strict=None`: one chunk per output "
+        "by construction, so the lengths never differ",
+    "optimum_neuron_torch.device.reference.distributed.xǁProcessGroupNeuronǁalltoall__mutmut_70":
+        "`strict=True` dropped: same as alltoall__mutmut_67",
+    "optimum_neuron_torch.device.reference.distributed.xǁProcessGroupNeuronǁalltoall__mutmut_72":
+        "`strict=True` -> `strict=False`: same as alltoall__mutmut_67",
+    "optimum_neuron_torch.device.reference.distributed.xǁProcessGroupNeuronǁbarrier__mutmut_6":
+        "the host views kept alive until gloo is done, `()` -> `None`: a barrier has none either way (both "
+        "flatten to nothing)",
+    "optimum_neuron_torch.device.reference.distributed.xǁProcessGroupNeuronǁallgather__mutmut_33":
+        "`zip(output_lists, inputs, strict=True)` -> `strict=None`: `_check_pairs` refuses lists of different lengths "
+        "just before, so the lengths never differ",
+    "optimum_neuron_torch.device.reference.distributed.xǁProcessGroupNeuronǁallgather__mutmut_36":
+        "`strict=True` dropped: same as allgather__mutmut_33",
+    "optimum_neuron_torch.device.reference.distributed.xǁProcessGroupNeuronǁallgather__mutmut_37":
+        "`strict=True` -> `strict=False`: same as allgather__mutmut_33",
+    "optimum_neuron_torch.device.reference.distributed.xǁProcessGroupNeuronǁreduce_scatter__mutmut_35":
+        "`zip(outputs, input_lists, strict=True)` -> `strict=None`: `_check_pairs` refuses lists of different lengths "
+        "just before, so the lengths never differ",
+    "optimum_neuron_torch.device.reference.distributed.xǁProcessGroupNeuronǁreduce_scatter__mutmut_38":
+        "`strict=True` dropped: same as reduce_scatter__mutmut_35",
+    "optimum_neuron_torch.device.reference.distributed.xǁProcessGroupNeuronǁreduce_scatter__mutmut_39":
+        "`strict=True` -> `strict=False`: same as reduce_scatter__mutmut_35",
+    "optimum_neuron_torch.device.reference.distributed.xǁProcessGroupNeuronǁ_each__mutmut_25":
+        "`zip(outputs, inputs, strict=True)` -> `strict=None`: `_check_pairs` refuses lists of different lengths "
+        "just before, so the lengths never differ",
+    "optimum_neuron_torch.device.reference.distributed.xǁProcessGroupNeuronǁ_each__mutmut_28":
+        "`strict=True` dropped: same as _each__mutmut_25",
+    "optimum_neuron_torch.device.reference.distributed.xǁProcessGroupNeuronǁ_each__mutmut_29":
+        "`strict=True` -> `strict=False`: same as _each__mutmut_25",
+    "optimum_neuron_torch.device.reference.distributed.xǁProcessGroupNeuronǁ_each__mutmut_31":
+        "an empty coalesced op's `DoneWork(self, ...)` -> `DoneWork(None, ...)`: a DoneWork's work is a "
+        "finished future, which never fails, so the group (read only to name a failure) is never read",
+    "optimum_neuron_torch.device.reference.distributed.xǁProcessGroupNeuronǁ_each__mutmut_32":
+        "`DoneWork(self, op, [])` -> `DoneWork(self, None, [])`: same as _each__mutmut_31 (the op's name is "
+        "read only to name a failure)",
 }
 
 
@@ -389,13 +446,27 @@ def report(statuses: dict[str, str]) -> bool:
     return ok
 
 
+def equivalent_markdown() -> str:
+    """EQUIVALENT as the list of benchmarks/MUTATION.md (one home for the reasons: this file)."""
+    lines = [f"### Equivalent mutants ({len(EQUIVALENT)})", "",
+             "The same list, with the same reasons, is `EQUIVALENT` in `benchmarks/mutation.py`, which fails the run",
+             "on a survivor not in it (this list is its output with `--markdown`).", ""]
+    for name, reason in EQUIVALENT.items():
+        lines.append(f"- `{name.removeprefix('optimum_neuron_torch.')}`: {reason.rstrip('.')}.")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", action="store_true", help="print the last campaign's table only")
+    parser.add_argument("--markdown", action="store_true", help="print EQUIVALENT for MUTATION.md")
     parser.add_argument("--keep", action="store_true", help="keep mutants/ and mutmut's cached results")
     parser.add_argument("--max-children", type=int, default=1, help="mutants tested at once (default 1)")
     args = parser.parse_args()
     os.chdir(ROOT)
+    if args.markdown:
+        print(equivalent_markdown())
+        return
     if not args.report:
         if not args.keep:
             shutil.rmtree(ROOT / "mutants", ignore_errors=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import json
+import mmap
 import re
 import shutil
 import struct
@@ -15,7 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import optimum_neuron_torch.device
-from optimum_neuron_torch.errors import CheckpointError, InsufficientDeviceMemoryError, UnsafeCheckpointError
+from optimum_neuron_torch.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    InsufficientDeviceMemoryError,
+    UnsafeCheckpointError,
+)
+from optimum_neuron_torch.loading.safetensors_file import MADV_POPULATE_READ, SafetensorsFile
 from testing_utils import run_python
 from tiny_models import TINY_MODELS
 
@@ -417,3 +424,66 @@ def test_a_device_of_unknown_memory_skips_the_check_and_says_so(monkeypatch, cap
         loader.check_device_memory(model, torch.device("neuron:0"), "big")  # not refused
     assert caplog.messages == ["big: the memory of neuron:0 is unknown to the backend (total_memory 0); the check "
                                "that 4.00 MiB fits is skipped"]
+
+
+# SafetensorsFile itself: opening, and a rank's piece of a tensor (tensor parallelism) ------------------
+ROW = mmap.PAGESIZE // 4  # float32 elements in one page
+
+
+def page_aligned_file(path, tensors: dict[str, torch.Tensor]):
+    """A safetensors file whose data starts on a page, each tensor's too (its byte size a whole number of
+    pages, or zero), so that the pages a piece spans are known."""
+    header, offset = {}, 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {"dtype": "F32", "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (mmap.PAGESIZE - 8 - len(text))  # (the header pads the data to the next page)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(t.numpy().tobytes() for t in tensors.values()))
+    return path
+
+
+class RecordingMap(mmap.mmap):  # the file's mapping, noting the requests made of the kernel
+    def madvise(self, *request):
+        self.requests.append(request)
+        return super().madvise(*request)
+
+
+def test_safetensors_file_opens_or_names_why_not(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match=r"cannot open the file: No such file or directory"):
+        SafetensorsFile(tmp_path / "missing.safetensors")
+    (tmp_path / "folder.safetensors").mkdir()
+    with pytest.raises(CheckpointError, match=r"cannot open the file: Is a directory") as caught:
+        SafetensorsFile(tmp_path / "folder.safetensors")
+    assert not isinstance(caught.value, CheckpointNotFoundError)  # (it exists: downloading it again is no help)
+
+
+def test_a_piece_of_a_tensor_is_a_view_whose_pages_are_read_in_one_request(tmp_path):
+    """`tensor(name, part)` returns the piece `part` selects, a view of the mapping, and asks the kernel
+    to map in the pages it spans, exactly those, in one request (a rank reads its rows or columns, not
+    the whole tensor)."""
+    whole = torch.arange(64 * ROW, dtype=torch.float32).reshape(64, ROW)  # a row per page
+    path = page_aligned_file(tmp_path / "model.safetensors", {"empty": torch.zeros(0, 4), "whole": whole})
+    data = mmap.PAGESIZE  # (where the tensor's bytes start in the file)
+    cases = [  # part; the first byte of the piece and the byte after its last, from the start of the tensor
+        (lambda t: t[10:14], 10 * ROW * 4, 14 * ROW * 4),
+        (lambda t: t[0:3], 0, 3 * ROW * 4),  # (from the tensor's first byte)
+        (lambda t: t[60:], 60 * ROW * 4, 64 * ROW * 4),  # (to its last)
+        (lambda t: t[8:, ROW // 2:], (8 * ROW + ROW // 2) * 4, 64 * ROW * 4),  # (columns: not contiguous)
+        (lambda t: t[5:7, 3:5], (5 * ROW + 3) * 4, (6 * ROW + 5) * 4),
+        (lambda t: t[[1, 3]], None, None),  # gathered: a copy, nothing of the mapping to ask for
+    ]
+    for part, first, after in cases:
+        with SafetensorsFile(path) as file:
+            file._map.close()
+            file._map = RecordingMap(file._file.fileno(), 0, access=mmap.ACCESS_COPY)
+            file._map.requests = []
+            piece = file.tensor("whole", part)
+            assert torch.equal(piece, part(whole))
+            aligned = data + first - (data + first) % mmap.PAGESIZE if first is not None else None
+            assert file._map.requests == ([] if first is None else
+                                          [(MADV_POPULATE_READ, aligned, data + after - aligned)]), first
+            assert torch.equal(file.tensor("empty", lambda t: t[:, 2:]), torch.zeros(0, 2))
+            assert torch.equal(file.tensor("empty"), torch.zeros(0, 4)) and len(file._map.requests) <= 1
+            del piece

@@ -6,10 +6,12 @@ per rank over a shared HashStore, each rank's calls on a thread of its own. Inpu
 symmetrically, so a swapped index, root, op or split changes a result, compared with the CPU's; messages whole.
 """
 
+import io
 import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -19,15 +21,20 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
 from transformers import PretrainedConfig
 from transformers.distributed import DistributedConfig
 
 from optimum_neuron_torch import errors
-from optimum_neuron_torch.device.reference import distributed
+from optimum_neuron_torch.device.reference import collective_work, distributed
 from optimum_neuron_torch.device.reference.distributed import ProcessGroupNeuron, _has_exited, _process_identity
 from optimum_neuron_torch.loading import sharding
+from optimum_neuron_torch.loading.loader import _Plan, stream_into
+from optimum_neuron_torch.loading.safetensors_file import SafetensorsFile
 
 TIMEOUT = timedelta(seconds=5)  # gloo's: a collective a mutant breaks fails in seconds, not at torch's 30 minutes
 HOST = socket.gethostname()
@@ -66,7 +73,9 @@ def zeros(*shape: int, dtype=torch.float32) -> torch.Tensor:
 
 
 def done(work, op: str) -> list:  # waits; checks the op's name (which a failure names); the tensors it wrote
-    assert work._op == op and work.wait()
+    held = list(collective_work._flatten(work._keep_alive))  # the host views gloo works on
+    assert work._op == op and (bool(held) or op == "barrier") and work.wait()
+    assert [view._use_count() for view in held] == [1] * len(held)  # gloo has let go of every one
     return work.result()
 
 
@@ -159,6 +168,9 @@ def test_every_collective_against_the_cpu(world, size):
         work = group.alltoall(outputs, [on(data(rank, rank + 2 * d + 1, 2, salt=d)) for d in ranks])
         assert done(work, "all_to_all") == outputs and [tensor.data_ptr() for tensor in outputs] == pointers  # copied
         same(outputs, received)
+        outputs = [zeros(2, dtype=torch.int64) for _ in ranks]
+        done(group.alltoall(outputs, [on(data(rank, 2, salt=d).long() * 2**40) for d in ranks]), "all_to_all")
+        same(outputs, [data(s, 2, salt=rank).long() * 2**40 for s in ranks])  # (exact only as 64-bit integers)
         lists = [[zeros(2, 3) for _ in ranks]] if rank == size - 1 else []  # gathered at the last rank
         work = group.gather(lists, [on(data(rank, 2, 3))], options(dist.GatherOptions, rootRank=size - 1))
         assert done(work, "gather") == sum(lists, [])
@@ -173,12 +185,58 @@ def test_every_collective_against_the_cpu(world, size):
         assert done(group.recv([received], before, 7), f"recv from rank {before}") == [received]
         assert done(sent, f"send to rank {after}")
         same(received, data(before, 3))
+        sent = group.send([on(data(rank, 3, salt=2))], after)  # the default tag, 0, on one side or the other
+        same(done(group.recv([zeros(3)], before, 0), f"recv from rank {before}"), [data(before, 3, salt=2)])
+        done(sent, f"send to rank {after}")
+        sent = group.send([on(data(rank, 3, salt=3))], after, 0)
+        same(done(group.recv([zeros(3)], before), f"recv from rank {before}"), [data(before, 3, salt=3)])
+        done(sent, f"send to rank {after}")
         if rank:  # rank 0 receives from every other rank, in any order
-            return group.send([on(data(rank, 3, salt=1))], 0, 8).wait()
-        firsts = [done(group.recv_anysource([zeros(3)], 8), "recv from any rank")[0][0].item() for _ in ranks[1:]]
+            return group.send([on(data(rank, 3, salt=1))], 0, 0).wait()
+        firsts = [done(group.recv_anysource([zeros(3)]), "recv from any rank")[0][0].item() for _ in ranks[1:]]
         assert sorted(firsts) == [data(r, 3, salt=1)[0].item() for r in ranks[1:]]
     each_rank(world(size), run)
 
+
+
+class RecordingGloo:  # gloo's group, noting the options object each op hands it
+    def __init__(self, gloo) -> None:
+        self.gloo, self.timeouts = gloo, {}
+
+    def __getattr__(self, name: str):
+        def call(*arguments):
+            self.timeouts[name] = next((argument.timeout for argument in arguments if hasattr(argument, "timeout")),
+                                       None)
+            return getattr(self.gloo, name)(*arguments)
+        return call
+
+
+def test_the_callers_options_reach_gloo_and_a_barrier_waits_for_every_rank(world):
+    ranks, seconds = range(2), timedelta(seconds=42)  # (a timeout of the op's own, which gloo must get)
+    entered = [threading.Event() for _ in ranks]
+
+    def run(rank, group):
+        group._gloo = recording = RecordingGloo(group._gloo)
+        kind, to_all = (options(dist.distributed_c10d.AllgatherOptions, timeout=seconds),
+                        options(dist.distributed_c10d.AllToAllOptions, timeout=seconds))
+        group.allreduce_coalesced([zeros(2)], options(dist.AllreduceCoalescedOptions, timeout=seconds)).wait()
+        group.allgather([[zeros(2) for _ in ranks]], [zeros(2)], kind).wait()
+        group._allgather_base(zeros(4), zeros(2), kind).wait()
+        group.allgather_coalesced([[zeros(2)] for _ in ranks], [zeros(2)], kind).wait()
+        group.allgather_into_tensor_coalesced([zeros(4)], [zeros(2)], kind).wait()
+        group.alltoall_base(zeros(2), zeros(2), [], [], to_all).wait()
+        timeouts = dict(recording.timeouts)
+        group.alltoall([zeros(1) for _ in ranks], [zeros(1) for _ in ranks], to_all).wait()
+        if rank:
+            time.sleep(0.3)  # (rank 0 is in the barrier by now: it must wait for this rank)
+        entered[rank].set()
+        group.barrier().wait()
+        return timeouts, recording.timeouts["alltoall_base"], all(event.is_set() for event in entered)
+
+    for timeouts, alltoall, everyone_entered in each_rank(world(2), run):
+        assert timeouts == dict.fromkeys(["allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
+                                          "alltoall_base"], seconds)
+        assert alltoall == seconds and everyone_entered
 
 def test_the_group_and_its_argument_errors_which_name_the_op_the_tensor_and_the_fault(world):
     groups = world(3)
@@ -220,6 +278,7 @@ def test_the_group_and_its_argument_errors_which_name_the_op_the_tensor_and_the_
               ("reduce", "tensors[0]", lambda t: g.reduce([t])),
               ("broadcast", "tensors[0]", lambda t: g.broadcast([t])),
               ("all_gather", "input[0]", lambda t: g.allgather([[z(4)] * 3], [t])),
+              ("all_gather_coalesced", "input[0]", lambda t: g.allgather_coalesced([[z(4)] * 3], [t])),
               ("all_gather_into_tensor", "tensors[1]", lambda t: g._allgather_base(z(12), t)),
               ("reduce_scatter", "output[0]", lambda t: g.reduce_scatter([t], [[z(4)] * 3])),
               ("all_to_all_single", "tensors[1]", lambda t: g.alltoall_base(z(3), t[:3], [], [])),
@@ -260,6 +319,8 @@ def test_the_group_and_its_argument_errors_which_name_the_op_the_tensor_and_the_
         *[(call, contiguous.format(*what)) for call, *what in (
             (lambda: g._allgather_base(z(3, 4).t(), z(4)), "all_gather_into_tensor", "output", (4, 3), (1, 4)),
             (lambda: g._reduce_scatter_base(z(4), z(4, 3).t()), "reduce_scatter_tensor", "input", (3, 4), (1, 3)))],
+        (lambda: g.allgather([[z(4)] * 3] * 2, [z(4)]), "all_gather: 2 output lists for 1 inputs on rank 1."),
+        (lambda: g.reduce_scatter([z(4)], [[z(4)] * 3] * 2), "reduce_scatter: 1 outputs for 2 input lists on rank 1."),
         (lambda: g.allgather_into_tensor_coalesced([z(12)] * 2, [z(4)]),
          coalesced.format("all_gather_into_tensor_coalesced", 2, 1)),
         (lambda: g.reduce_scatter_tensor_coalesced([z(4)], [z(12)] * 2),
@@ -276,7 +337,11 @@ def test_the_group_and_its_argument_errors_which_name_the_op_the_tensor_and_the_
             (lambda: g.allgather_coalesced([], []), "all_gather_coalesced",
              "allgather_coalesced: requires non-empty input tensor list"),
             (lambda: g.gather([], []), "gather", "gather: requires a single-element input tensor list"),
-            (lambda: g.scatter([], []), "scatter", "scatter: requires a single-element output tensor list"))],
+            (lambda: g.gather([[z(4)] * 3], [], gather), "gather", "gather: requires a single-element input tensor "
+                                                                   "list"),
+            (lambda: g.scatter([], []), "scatter", "scatter: requires a single-element output tensor list"),
+            (lambda: g.scatter([], [[z(4)] * 3], scatter), "scatter", "scatter: requires a single-element output "
+                                                                      "tensor list"))],
         (lambda: g._run("op", mock.Mock(side_effect=RuntimeError()), [], ()), "op on rank 1: RuntimeError"),
     ]:
         refused(errors.CollectiveArgumentError, call, message)
@@ -294,8 +359,14 @@ def test_exited_peers_are_seen_and_named_by_a_failure(world, tmp_path, monkeypat
     os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
     assert _has_exited(f"{HOST}:{zombie.pid}")
     zombie.wait()
+    for state, exited in (("R", False), ("S", False), ("D", False), ("T", False), ("Z", True), ("X", True)):
+        stat = f"{zombie.pid} (a (b) c) {state} 1 {zombie.pid}"
+        monkeypatch.setattr(distributed, "open", lambda path, stat=stat: io.StringIO(stat), raising=False)
+        assert _has_exited(f"{HOST}:{zombie.pid}") is exited, state
     monkeypatch.setattr(distributed, "open", mock.Mock(side_effect=PermissionError()), raising=False)  # no /proc
-    assert _has_exited(dead) and not _has_exited(_process_identity())  # the kernel is asked
+    monkeypatch.setattr(os, "kill", kill := mock.Mock(wraps=os.kill))
+    assert _has_exited(dead) and kill.call_args == mock.call(process.pid, 0)  # the kernel is asked (signal 0: asks,
+    assert not _has_exited(_process_identity())                               # sends nothing)
     monkeypatch.setattr(os, "kill", mock.Mock(side_effect=PermissionError()))
     assert not _has_exited(dead)  # (another user's process: alive)
     monkeypatch.undo()
@@ -316,6 +387,8 @@ def test_exited_peers_are_seen_and_named_by_a_failure(world, tmp_path, monkeypat
         "neuron process group: broadcast failed on rank 1 of 4: no peer process has exited (a peer may be stuck, "
         "raised and caught, or on another host); every rank must call the same collectives in the same order; the "
         "timeout is 0:00:05 (init_process_group(timeout=...)). gloo said: RuntimeError")
+    work = groups[1]._run("gather", lambda: mock.Mock(**{"wait.side_effect": RuntimeError()}), [], ())
+    refused(errors.CollectiveError, work.wait, str(error).replace("broadcast", "gather"))  # a failure at wait
 
 
 def test_the_arguments_and_the_model_are_checked_before_loading(monkeypatch):
@@ -369,6 +442,7 @@ def test_init_process_group_makes_the_group_and_the_pieces_and_shard(mesh):
     distributed.register(lambda tensor: tensor)  # a second registration changes nothing
     assert distributed._host_view is host_view and isinstance(group, ProcessGroupNeuron)
     assert (group.rank(), group.size(), group._timeout) == (0, 1, timedelta(seconds=77))
+    assert group._gloo.options._timeout == timedelta(seconds=77)  # (gloo's own: its waits end then)
     # the functional collective's C++ kernel (which asks the group for a C++ backend), replaced
     same(torch.ops._c10d_functional.all_gather_into_tensor_out(on(data(0, 3)), 1, group.group_name, out=zeros(3)),
          data(0, 3))
@@ -475,3 +549,39 @@ def test_register_registers_the_backend_and_the_kernel_as_torchneuron_does(monke
                        distributed._all_gather_into_tensor_out), {})]
     distributed.register(zeros)  # idempotent
     assert len(calls) == 2 and distributed._host_view is on
+
+
+def test_the_second_of_two_ranks_loads_its_piece_of_each_split_parameter_without_a_collective(tmp_path):
+    """`stream_into` on rank 1 of 2 (PyTorch's fake process group: this process plays rank 1 alone): each
+    parameter split by rows or columns gets this rank's piece, read from the checkpoint and kept as a
+    DTensor of its mesh, placements and global shape; replicated and plain tensors get the whole. Loading
+    runs no collective (DTensor's `run_check` would gather every piece from the other ranks)."""
+    dist.init_process_group("neuron:fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        mesh = init_device_mesh("neuron", (2,))
+        full = {"rows": torch.arange(24.0).reshape(4, 6), "columns": torch.arange(24.0, 48.0).reshape(4, 6),
+                "replicated": torch.arange(5.0), "plain": torch.arange(3.0)}
+        save_file(full, tmp_path / "model.safetensors")
+        layer = torch.nn.Module()
+        placements = {"rows": Shard(0), "columns": Shard(1), "replicated": Replicate()}
+        for name, tensor in full.items():
+            value = torch.empty(tensor.shape, device="meta")
+            if name in placements:  # (rank 1's piece on meta, as Transformers' split leaves it)
+                piece = value.tensor_split(2, placements[name].dim)[1] if name != "replicated" else value
+                value = DTensor.from_local(piece, mesh, [placements[name]], run_check=False, shape=tensor.shape,
+                                           stride=tensor.stride())
+            layer.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
+        with SafetensorsFile(tmp_path / "model.safetensors") as file, CommDebugMode() as communication:
+            stream_into(layer, _Plan(targets={name: (file, name) for name in full}), torch.device("neuron", 0), "m")
+        assert communication.get_total_counts() == 0
+        for name, placement in placements.items():
+            value = getattr(layer, name)
+            assert isinstance(value, DTensor) and value.device_mesh is mesh and value.placements == (placement,), name
+            assert value.shape == full[name].shape and value.stride() == full[name].stride(), name
+        assert torch.equal(layer.rows.to_local().cpu(), full["rows"][2:])
+        assert torch.equal(layer.columns.to_local().cpu(), full["columns"][:, 3:])
+        assert torch.equal(layer.replicated.to_local().cpu(), full["replicated"])
+        assert not isinstance(layer.plain, DTensor) and torch.equal(layer.plain.cpu(), full["plain"])
+        assert layer.plain.device.type == layer.rows.to_local().device.type == "neuron"
+    finally:
+        dist.destroy_process_group()

@@ -18,12 +18,8 @@ from optimum_neuron_torch.compiler.cache import CompileCache, cache_stats, reset
 from optimum_neuron_torch.generation.engine import GenerationEngine
 from optimum_neuron_torch.settings import COMPILE_CACHE_ENV as CACHE_ENV
 from testing_utils import optimum_cli
-from tiny_models import PROGRAMS_PER_GRAPH, TINY_MODELS, tiny_tokenizer
+from tiny_models import PROGRAMS_PER_GRAPH, TINY_MODELS, chat_tokenizer
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }} {{ message['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}assistant{% endif %}"
-)
 PROMPT = "what is the capital of france?"
 NEW_TOKENS = 8
 BUCKETS = ("--batch-sizes", "1", "--prompt-buckets", "16", "--max-length", "64", "--context-buckets", "32")
@@ -35,9 +31,7 @@ def chat_model(tmp_path_factory) -> Path:
     """A tiny Mistral with a real tokenizer that has a chat template; seed 5 makes its greedy answers to
     both prompts vary (with 6 different tokens of 8) rather than repeat one token."""
     folder = TINY_MODELS["mistral"].save(tmp_path_factory.mktemp("commands") / "mistral", seed=5)
-    tokenizer = tiny_tokenizer("llama")  # the same special-token ids as the tiny Mistral's config
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(folder)
+    chat_tokenizer().save_pretrained(folder)  # (the same special-token ids as the tiny Mistral's config)
     return folder
 
 

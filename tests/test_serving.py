@@ -29,12 +29,8 @@ from optimum_neuron_torch.generation.requests import Request as EngineRequest
 from optimum_neuron_torch.generation.text import TextStream
 from optimum_neuron_torch.serving.app import build_app
 from testing_utils import free_port, launcher_environment
-from tiny_models import DECODER, TENSOR_PARALLEL_MODELS, tiny_tokenizer
+from tiny_models import TENSOR_PARALLEL_MODELS, chat_tokenizer, greedy_answer, noisy_llama
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }} {{ message['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}assistant{% endif %}"
-)
 NAME = "tiny-llama"
 MAX_LENGTH = 128  # one context bucket; batch buckets 1, 2, 4, 8
 PROMPT_BUCKETS = (16, 48)  # a longer prompt is prefilled in chunks of 48, the last one moved back
@@ -48,17 +44,8 @@ QUESTIONS = ["what is the capital of france?", "the cat sat on the mat.", "paris
 def folder(tmp_path_factory) -> Path:
     """A tiny Llama (random weights, no end-of-sequence token within reach) with a chat template."""
     folder = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{**DECODER, "max_position_embeddings": MAX_LENGTH})
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for tensor in model.state_dict().values():
-            tensor.add_(0.1 * torch.randn_like(tensor))
-    model.generation_config.eos_token_id = None  # (every answer runs to max_tokens or a stop string)
-    model.save_pretrained(folder)
-    tokenizer = tiny_tokenizer("llama")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(folder)
+    noisy_llama(max_position_embeddings=MAX_LENGTH).save_pretrained(folder)
+    chat_tokenizer().save_pretrained(folder)
     return folder
 
 
@@ -102,19 +89,11 @@ def chat_ids(tokenizer, question: str) -> list[int]:
                                          tokenize=True, return_dict=True)["input_ids"]
 
 
-def expected(cpu_model, tokenizer, prompt: list[int], new_tokens: int) -> tuple[list[int], str]:
-    """Transformers' greedy tokens on the CPU, and their text."""
-    with torch.no_grad():
-        output = cpu_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
-    tokens = output[0, len(prompt):].tolist()
-    return tokens, tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-
 @pytest.mark.slow  # (the module's in-process server; the fast tier serves through the command below)
 def test_chat_and_completions_equal_transformers_streamed_or_not(client, cpu_model, tokenizer):
     question = QUESTIONS[0]
     prompt = chat_ids(tokenizer, question)
-    _, text = expected(cpu_model, tokenizer, prompt, 12)
+    _, text = greedy_answer(cpu_model, tokenizer, prompt, 12)
     messages = [{"role": "user", "content": question}]
     answer = client.chat.completions.create(model=NAME, messages=messages, max_tokens=12, temperature=0)
     assert answer.choices[0].message.content == text
@@ -132,7 +111,7 @@ def test_chat_and_completions_equal_transformers_streamed_or_not(client, cpu_mod
     assert len([chunk for chunk in chunks if chunk.choices and chunk.choices[0].delta.content]) > 1  # (streamed)
 
     plain = tokenizer(QUESTIONS[1]).input_ids
-    _, text = expected(cpu_model, tokenizer, plain, 10)
+    _, text = greedy_answer(cpu_model, tokenizer, plain, 10)
     completion = client.completions.create(model=NAME, prompt=QUESTIONS[1], max_tokens=10, temperature=0)
     assert completion.choices[0].text == text and completion.usage.prompt_tokens == len(plain)
     streamed = list(client.completions.create(model=NAME, prompt=QUESTIONS[1], max_tokens=10, temperature=0,
@@ -140,7 +119,7 @@ def test_chat_and_completions_equal_transformers_streamed_or_not(client, cpu_mod
     assert "".join(chunk.choices[0].text for chunk in streamed) == text
     assert streamed[-1].choices[0].finish_reason == "length"
     # Token ids as the prompt, and the API's default of 16 new tokens.
-    assert client.completions.create(model=NAME, prompt=plain, temperature=0).choices[0].text == expected(
+    assert client.completions.create(model=NAME, prompt=plain, temperature=0).choices[0].text == greedy_answer(
         cpu_model, tokenizer, plain, 16)[1]
 
 
@@ -150,7 +129,7 @@ def test_eight_clients_at_once_get_their_own_answers_and_nothing_compiles(server
     get the tokens they get alone, and the mix compiles nothing."""
     engine, url = server
     lengths = [20, 7, 33, 12, 25, 5, 40, 16]
-    wanted = [expected(cpu_model, tokenizer, chat_ids(tokenizer, question), length)[1]
+    wanted = [greedy_answer(cpu_model, tokenizer, chat_ids(tokenizer, question), length)[1]
               for question, length in zip(QUESTIONS, lengths, strict=True)]
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
     graphs, misses, steps = torch._dynamo.utils.counters["stats"]["unique_graphs"], cache_stats().misses, engine.steps
@@ -183,7 +162,7 @@ def test_eight_clients_at_once_get_their_own_answers_and_nothing_compiles(server
 @pytest.mark.slow
 def test_stop_strings_end_the_text_before_them(client, cpu_model, tokenizer):
     prompt = tokenizer(QUESTIONS[2]).input_ids
-    tokens, text = expected(cpu_model, tokenizer, prompt, 20)
+    tokens, text = greedy_answer(cpu_model, tokenizer, prompt, 20)
     # A stop string from the middle of the answer: the text ends just before it, streamed or not.
     stop = tokenizer.decode(tokens[5:7], skip_special_tokens=True).strip()
     cut = text.index(stop)
@@ -297,7 +276,7 @@ def test_clients_that_disconnect_free_their_slots(server, client, cpu_model, tok
     assert torch.neuron.memory_allocated() == memory
     prompt = tokenizer(QUESTIONS[5]).input_ids
     assert client.completions.create(model=NAME, prompt=QUESTIONS[5], max_tokens=8, temperature=0).choices[0].text \
-        == expected(cpu_model, tokenizer, prompt, 8)[1]
+        == greedy_answer(cpu_model, tokenizer, prompt, 8)[1]
 
 
 @pytest.mark.slow
@@ -347,13 +326,13 @@ def test_a_long_prompt_is_prefilled_a_chunk_a_turn_between_the_others_decode_ste
     assert [piece[:3] for piece in long_pieces] == [(0, 48, 48), (48, 48, 128), (80, 48, 128)]
     assert long_pieces[0][3] < long_pieces[1][3] < long_pieces[2][3]  # (the short request decoded between)
     assert engine._slots[1] is not None and engine._slots[1].on_event.__self__ is short
-    assert "".join(event.text for event in long) == expected(cpu_model, tokenizer, long_prompt, 8)[1]
+    assert "".join(event.text for event in long) == greedy_answer(cpu_model, tokenizer, long_prompt, 8)[1]
     with torch.no_grad():  # (what the CPU writes for those positions: nothing else overwrote them)
         cpu_cache = cpu_model(torch.tensor([long_prompt[:80]]), use_cache=True).past_key_values
     torch.testing.assert_close(written[0], cpu_cache.layers[0].keys[0], rtol=1e-5, atol=1e-5)
 
     wait_until(lambda: short and short[-1].finish_reason)
-    assert "".join(event.text for event in short) == expected(cpu_model, tokenizer, short_prompt, 40)[1]
+    assert "".join(event.text for event in short) == greedy_answer(cpu_model, tokenizer, short_prompt, 40)[1]
     wait_until(lambda: (engine.busy_slots, engine.waiting) == (0, 0))
     assert [piece[1] for piece in pieces if piece[0] is cancelled] == [0] and cancelled == []
     assert torch.neuron.memory_allocated() == memory
@@ -392,10 +371,10 @@ def test_penalties_and_min_p_run_in_the_step_as_transformers_applies_them(client
             output = cpu_model.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, **cpu)
         assert answer == tokenizer.decode(output[0, len(prompt):], skip_special_tokens=True,
                                           clean_up_tokenization_spaces=False), body
-        assert answer != expected(cpu_model, tokenizer, prompt, tokens)[1], body
+        assert answer != greedy_answer(cpu_model, tokenizer, prompt, tokens)[1], body
     greedy = client.completions.create(model=NAME, prompt=short, max_tokens=16, temperature=1.0, seed=3,
                                        extra_body={"min_p": 1.0}).choices[0].text
-    assert greedy == expected(cpu_model, tokenizer, short, 16)[1]
+    assert greedy == greedy_answer(cpu_model, tokenizer, short, 16)[1]
 
 
 @pytest.mark.slow
@@ -429,7 +408,7 @@ def test_a_request_that_fails_fails_alone_and_the_engine_serves_on(server, clien
     assert torch.neuron.memory_allocated() == memory
     prompt = tokenizer(QUESTIONS[5]).input_ids
     assert client.completions.create(model=NAME, prompt=QUESTIONS[5], max_tokens=8, temperature=0).choices[0].text \
-        == expected(cpu_model, tokenizer, prompt, 8)[1]
+        == greedy_answer(cpu_model, tokenizer, prompt, 8)[1]
 
 
 @pytest.mark.slow
@@ -499,7 +478,7 @@ def test_the_example_client_runs_as_written(server, cpu_model, tokenizer):
     result = subprocess.run([sys.executable, str(example), "--base-url", url + "/v1", "--model", NAME],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    _, text = expected(cpu_model, tokenizer, chat_ids(tokenizer, "What is the capital of France?"), 32)
+    _, text = greedy_answer(cpu_model, tokenizer, chat_ids(tokenizer, "What is the capital of France?"), 32)
     assert f"models: ['{NAME}']" in result.stdout
     assert f"answer: {text!r}" in result.stdout
     assert "4 questions at once, answered in" in result.stdout
@@ -543,7 +522,7 @@ def test_the_command_serves_on_localhost_and_drains_on_sigterm(folder, cpu_model
         text = [next(stream).choices[0].text]
         process.send_signal(signal.SIGTERM)
         text += [chunk.choices[0].text for chunk in stream]
-        assert "".join(text) == expected(cpu_model, tokenizer, prompt, 40)[1]
+        assert "".join(text) == greedy_answer(cpu_model, tokenizer, prompt, 40)[1]
         assert process.wait(60) == 0
         output = process.stdout.read()
         assert f"Uvicorn running on {url}" in output
@@ -573,7 +552,7 @@ def test_a_model_split_between_two_ranks_serves_the_same_answers(tmp_path):
                 model=str(folder), prompt=question, max_tokens=8, temperature=0) for question in QUESTIONS[:3]))
             return [answer.choices[0].text for answer in answers]
 
-        assert asyncio.run(ask()) == [expected(cpu_model, tokenizer, tokenizer(question).input_ids, 8)[1]
+        assert asyncio.run(ask()) == [greedy_answer(cpu_model, tokenizer, tokenizer(question).input_ids, 8)[1]
                                       for question in QUESTIONS[:3]]
         process.send_signal(signal.SIGTERM)
         assert process.wait(120) == 0, process.stdout.read()[-4000:]

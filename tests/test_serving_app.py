@@ -29,13 +29,11 @@ from optimum_neuron_torch.serving import app as serving
 from optimum_neuron_torch.serving.app import build_app
 from optimum_neuron_torch.serving.protocol import ChatCompletionRequest, CompletionRequest, _type_tag, error_body
 from optimum_neuron_torch.serving.server import run_server
-from tiny_models import DECODER, VOCAB, tiny_tokenizer
+from tiny_models import VOCAB, chat_tokenizer, greedy_answer, noisy_llama, tiny_tokenizer
 
 NAME = "tiny-llama"
 USER = [{"role": "user", "content": "what is the capital of france?"}]
-TOKENIZER = tiny_tokenizer("llama")
-TOKENIZER.chat_template = ("{% for message in messages %}{{ message['role'] }} {{ message['content'] }} {% endfor %}"
-                           "{% if add_generation_prompt %}assistant{% endif %}")
+TOKENIZER = chat_tokenizer()
 CHAT_IDS = TOKENIZER.apply_chat_template(USER, add_generation_prompt=True, tokenize=True, return_dict=True).input_ids
 EVENTS = [Event("he", 1), Event("", 2), Event(" llo", 3, "stop")]  # what the scripted engine answers
 CHAT_ID, COMPLETION_ID = "chatcmpl-[0-9a-f]{32}", "cmpl-[0-9a-f]{32}"
@@ -368,12 +366,7 @@ def test_run_server_serves_from_a_thread_while_the_engine_runs_on_this_one(monke
 @pytest.fixture(scope="module")
 def cpu_model(tmp_path_factory):
     """A tiny Llama (random weights, no end-of-sequence token within reach), saved in its `folder`."""
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DECODER)).eval()
-    with torch.no_grad():
-        for tensor in model.state_dict().values():
-            tensor.add_(0.1 * torch.randn_like(tensor))
-    model.generation_config.eos_token_id = None  # (every answer runs to max_tokens or a stop string)
+    model = noisy_llama()
     model.folder = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(model.folder)
     return model
@@ -391,16 +384,8 @@ def app(cpu_model):
     assert not engine.alive
 
 
-def expected(cpu_model, prompt: list[int], new_tokens: int) -> tuple[list[int], str]:
-    """Transformers' greedy tokens on the CPU, and their text."""
-    with torch.no_grad():
-        tokens = cpu_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
-    tokens = tokens[0, len(prompt):].tolist()
-    return tokens, TOKENIZER.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-
 def test_answers_are_transformers_greedy_tokens_up_to_a_stop_string_and_seeds_reproduce(app, cpu_model):
-    _, text = expected(cpu_model, CHAT_IDS, 10)
+    _, text = greedy_answer(cpu_model, TOKENIZER, CHAT_IDS, 10)
     usage = {"prompt_tokens": len(CHAT_IDS), "completion_tokens": 10, "total_tokens": len(CHAT_IDS) + 10}
     parts = [{"type": "text", "text": "what is the capital "}, {"type": "text", "text": "of france?"}]
     # (no temperature: the model's generation config does not sample; max_completion_tokens wins)
@@ -413,7 +398,7 @@ def test_answers_are_transformers_greedy_tokens_up_to_a_stop_string_and_seeds_re
     assert "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in chunks[:-1]) == text
     assert len(chunks) > 5 and chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"] == usage
     question, prompt = "paris is the capital of", TOKENIZER("paris is the capital of").input_ids
-    tokens, text = expected(cpu_model, prompt, 20)
+    tokens, text = greedy_answer(cpu_model, TOKENIZER, prompt, 20)
 
     def complete(**fields) -> dict:
         return call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": question, **fields}).json()
@@ -426,7 +411,8 @@ def test_answers_are_transformers_greedy_tokens_up_to_a_stop_string_and_seeds_re
         text[:text.index(stop)], "stop")
     assert answer["usage"]["completion_tokens"] < 20
     chunks = sse(call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": prompt, "stream": True}))
-    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == expected(cpu_model, prompt, 16)[1]
+    streamed = "".join(chunk["choices"][0]["text"] for chunk in chunks)
+    assert streamed == greedy_answer(cpu_model, TOKENIZER, prompt, 16)[1]
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     samples = [complete(max_tokens=12, temperature=1.0, seed=seed)["choices"][0]["text"] for seed in (7, 7, 8)]
     assert samples[0] == samples[1] != samples[2]  # (the same seed, the same text; another, another)

@@ -168,6 +168,41 @@ def tiny_tokenizer(model_type: str) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, **special_tokens)
 
 
+# Chat models for the commands and the server: a template that writes each message as "role content ".
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }} {{ message['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant{% endif %}"
+)
+
+
+def chat_tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny Llama family's tokenizer with CHAT_TEMPLATE."""
+    tokenizer = tiny_tokenizer("llama")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def noisy_llama(**config) -> transformers.LlamaForCausalLM:
+    """A tiny Llama (DECODER, with `config` over it) whose random weights carry extra noise, so that its
+    greedy answers vary from token to token, and without an end-of-sequence token: every answer runs to
+    its token limit or a stop string. The same weights in every run (seed 0)."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**DECODER, **config})).eval()
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.add_(0.1 * torch.randn_like(tensor))
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def greedy_answer(cpu_model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, prompt: list[int],
+                  new_tokens: int) -> tuple[list[int], str]:
+    """Transformers' greedy tokens on the CPU after `prompt`, and their text."""
+    with torch.no_grad():
+        output = cpu_model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
+    tokens = output[0, len(prompt):].tolist()
+    return tokens, tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
 # Tiny models for tensor parallelism: heads, key-value heads, experts and intermediate sizes that 2 and 4 ranks divide.
 SPLITTABLE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=4, max_position_embeddings=64)

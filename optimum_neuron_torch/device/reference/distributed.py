@@ -211,6 +211,11 @@ class ProcessGroupNeuron(ProcessGroup):
                 f"({self.size()})."
             )
 
+    def _check_pairs(self, op: str, name: str, first: Sequence[Any], other_name: str, other: Sequence[Any]) -> None:
+        if len(first) != len(other):
+            raise CollectiveArgumentError(f"{op}: {len(first)} {name} for {len(other)} {other_name} on rank "
+                                          f"{self.rank()}.")
+
     def _check_root(self, op: str, root: int, role: str = "root") -> None:
         if not 0 <= root < self.size():
             raise CollectiveArgumentError(f"{op}: {role} rank {root} is outside this group of {self.size()} ranks.")
@@ -291,6 +296,7 @@ class ProcessGroupNeuron(ProcessGroup):
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                   opts: AllgatherOptions | None = None) -> Work:
         opts = opts or AllgatherOptions()
+        self._check_pairs("all_gather", "output lists", output_lists, "inputs", inputs)
         in_views = self._views("all_gather", "input", inputs)
         out_views = []
         for outputs, tensor in zip(output_lists, inputs, strict=True):
@@ -332,6 +338,7 @@ class ProcessGroupNeuron(ProcessGroup):
     def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]],
                        opts: ReduceScatterOptions | None = None) -> Work:
         opts = opts or ReduceScatterOptions()
+        self._check_pairs("reduce_scatter", "outputs", outputs, "input lists", input_lists)
         out_views = self._views("reduce_scatter", "output", outputs)
         factor = self._premul_factor(opts)
         in_views = []
@@ -363,15 +370,13 @@ class ProcessGroupNeuron(ProcessGroup):
     def _each(self, op: str, single: Callable[..., Work], outputs: list[torch.Tensor], inputs: list[torch.Tensor],
               opts: Any) -> Work:
         """A coalesced op as one op per pair (gloo has no coalesced form); one work for all."""
-        if len(outputs) != len(inputs):
-            raise CollectiveArgumentError(f"{op}: {len(outputs)} outputs for {len(inputs)} inputs on rank "
-                                          f"{self.rank()}.")
+        self._check_pairs(op, "outputs", outputs, "inputs", inputs)
         works = [single(output, input, _copy_options(opts)) for output, input in zip(outputs, inputs, strict=True)]
         if not works:
             return DoneWork(self, op, [])
-        for work in works[:-1]:
+        *earlier, last = works
+        for work in earlier:
             work.wait()
-        last = works[-1]
         last._outputs = list(outputs)
         return last
 
