@@ -29,9 +29,12 @@ def tensor_parallel_mesh(model: PreTrainedModel) -> DeviceMesh | None:
 
 def whole_graphs_reason(model: PreTrainedModel) -> str | None:
     """Why generation compiles `model`'s graphs whole rather than a decoder layer at a time
-    (`compiler.regions`), or None. A model split between ranks compiles whole graphs: its graphs
-    saved with `save_pretrained()` did not all load again on every rank when compiled a layer at a
-    time (measured on 2 ranks: rank 1 compiled 4 of its 6 programs again), not yet understood."""
+    (`compiler.regions`), or None. A model split between ranks compiles whole graphs: a layer region
+    whose inputs are DTensors does not lower to StableHLO (AOT export refuses a traceable tensor
+    subclass, so TorchNeuron could not compile it), and a traced function holding such regions cannot
+    be saved for warm starts (its graph's fake values cannot be computed again: "FakeTensorMode should
+    not be set when dispatching invoke_subgraph"). Whole graphs have neither problem (measured on 2
+    ranks, torch 2.13)."""
     return "tensor parallelism" if tensor_parallel_mesh(model) is not None else None
 
 
