@@ -52,8 +52,11 @@ def header_of(path):
     return json.loads(raw[8 : 8 + length]), raw[8 + length :]
 
 
-def write_with_header(path, header, data, pad=True):
+def write_with_header(path, header, data, align=1):
+    """A safetensors file of `header` and `data`; the header padded with spaces so that the data starts at a
+    multiple of `align` bytes."""
     text = json.dumps(header).encode()
+    text += b" " * (-(8 + len(text)) % align)
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
 
 
@@ -438,9 +441,7 @@ def page_aligned_file(path, tensors: dict[str, torch.Tensor]):
         nbytes = tensor.numel() * tensor.element_size()
         header[name] = {"dtype": "F32", "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    text = json.dumps(header).encode()
-    text += b" " * (mmap.PAGESIZE - 8 - len(text))  # (the header pads the data to the next page)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(t.numpy().tobytes() for t in tensors.values()))
+    write_with_header(path, header, b"".join(t.numpy().tobytes() for t in tensors.values()), align=mmap.PAGESIZE)
     return path
 
 

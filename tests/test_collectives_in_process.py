@@ -198,7 +198,6 @@ def test_every_collective_against_the_cpu(world, size):
     each_rank(world(size), run)
 
 
-
 class RecordingGloo:  # gloo's group, noting the options object each op hands it
     def __init__(self, gloo) -> None:
         self.gloo, self.timeouts = gloo, {}
@@ -237,6 +236,7 @@ def test_the_callers_options_reach_gloo_and_a_barrier_waits_for_every_rank(world
         assert timeouts == dict.fromkeys(["allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
                                           "alltoall_base"], seconds)
         assert alltoall == seconds and everyone_entered
+
 
 def test_the_group_and_its_argument_errors_which_name_the_op_the_tensor_and_the_fault(world):
     groups = world(3)

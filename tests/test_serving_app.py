@@ -194,7 +194,6 @@ def test_events_end_at_the_last_one_or_when_the_client_goes_and_cancel_the_reque
     assert asyncio.run(left(EVENTS)).status_code == 200  # (finished before anyone asked)
 
 
-
 class SlowEngine(ScriptedEngine):
     """Answers from another thread, a while after the request: the application waits, asking its client."""
 

@@ -203,6 +203,7 @@ def greedy_answer(cpu_model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast
     tokens = output[0, len(prompt):].tolist()
     return tokens, tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
+
 # Tiny models for tensor parallelism: heads, key-value heads, experts and intermediate sizes that 2 and 4 ranks divide.
 SPLITTABLE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=4, max_position_embeddings=64)
