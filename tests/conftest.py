@@ -32,10 +32,10 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 # worker busy alone at the end. The other files follow in their usual order; tests within a file keep
 # theirs.
 SLOW_FILES_FIRST = [
-    "test_coverage.py", "test_opinfo.py", "test_examples.py", "test_torchneuron.py", "test_default_model.py",
-    "test_notebooks.py", "test_generation.py", "test_compile_cache.py", "test_cache_remote.py",
-    "test_checkpoint_errors.py", "test_check.py", "test_commands.py", "test_serving.py", "test_pipelines.py",
-    "test_patches.py",
+    "test_tensor_parallel.py", "test_coverage.py", "test_opinfo.py", "test_examples.py", "test_torchneuron.py",
+    "test_default_model.py", "test_notebooks.py", "test_training.py", "test_generation.py", "test_compile_cache.py",
+    "test_cache_remote.py", "test_checkpoint_errors.py", "test_check.py", "test_commands.py", "test_serving.py",
+    "test_pipelines.py", "test_patches.py",
 ]
 
 

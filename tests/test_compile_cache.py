@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,9 @@ import pytest
 import torch
 
 from optimum_neuron_torch import NeuronAutoModelForCausalLM
-from optimum_neuron_torch.compiler.cache import CompileCache, graph_key
+from optimum_neuron_torch.compiler import artifact
+from optimum_neuron_torch.compiler.artifact import KERNELS_DIR
+from optimum_neuron_torch.compiler.cache import CHECKSUMS, SLOTS_DIR, CompileCache, graph_key
 from optimum_neuron_torch.settings import COMPILE_CACHE_ENV as CACHE_ENV
 from testing_utils import optimum_cli, run_python
 from tiny_models import PROGRAMS_PER_GRAPH, TINY_MODELS
@@ -104,6 +107,52 @@ def test_a_second_process_loads_instead_of_compiling(saved_llama, filled_cache, 
     # CPU's vector instruction sets (built in an entry, they were built again by every process)
     assert files_in(copied) == files_in(cache)
     assert vector_isa_probes_in(cache) == []  # (compiling probes in Inductor's shared cache too)
+
+
+def test_every_entry_holds_the_library_of_each_kernel_it_loads(saved_llama, tmp_path, monkeypatch):
+    """Graphs of one process that share a kernel (the same C++ source: Inductor builds it once and
+    takes it from memory for the next graph) each hold its library: loading an entry in another
+    process, or on another machine, builds nothing."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    model = NeuronAutoModelForCausalLM.from_pretrained(saved_llama)
+    model.precompile(batch_sizes=(1,), prompt_buckets=(16, 32), max_length=64, show_progress=False, sampling=False)
+    entries = [entry for entry in CompileCache(tmp_path).entries() if not entry.is_function]
+    sources = [source for entry in entries for source in entry.path.rglob("*.cpp")]
+    assert len({source.name for source in sources}) < len(sources)  # (kernels shared between graphs)
+    assert [source for source in sources if not source.with_suffix(".so").is_file()] == []
+    assert all(f"{KERNELS_DIR}/{source.relative_to(entry.path / KERNELS_DIR).with_suffix('.so')}"
+               in entry.metadata[CHECKSUMS] for entry in entries for source in entry.path.rglob("*.cpp"))
+
+
+def test_the_vector_isa_probe_runs_once_per_compile_environment(tmp_path, monkeypatch):
+    """Inductor's probe of the vector instruction sets the compiler and CPU support (a library built
+    and loaded in a subprocess per set) runs once per compile environment: the sets found are
+    recorded in the compile cache, and a process finding a record that lists every set the CPU has
+    takes them without probing."""
+    from torch._inductor import cpu_vec_isa
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    found = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+    probes = []
+    check_build = cpu_vec_isa.VecISA.check_build
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build",
+                        lambda isa, code: probes.append(str(isa)) or check_build(isa, code))
+
+    def new_process() -> list[str]:  # (the sets a new process finds)
+        cpu_vec_isa.valid_vec_isa_list.cache_clear()
+        cpu_vec_isa.VecISA._VecISA__bool__impl.cache_clear()
+        artifact._probe_vector_isa()
+        return [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+
+    probed = platform.machine() in ("x86_64", "AMD64")  # (where Inductor probes each set)
+    assert new_process() == found and bool(probes) == probed  # (no record yet: Inductor probes)
+    (record,) = (tmp_path / SLOTS_DIR).glob("vector-isa-*.json")
+    assert json.loads(record.read_text()) == found
+    probes.clear()
+    assert new_process() == found and probes == []  # (recorded: no probe)
+    record.write_text(json.dumps(found[1:]))  # (a set that failed its probe there: probed again)
+    assert new_process() == found and bool(probes) == probed
+    assert json.loads(record.read_text()) == found
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import signal
 import threading
 import time
@@ -21,14 +22,17 @@ from openai.types import CompletionUsage
 from starlette.testclient import TestClient
 
 import optimum_neuron_torch as ont
+from optimum_neuron_torch.compiler import cache_stats, reset_cache_stats
+from optimum_neuron_torch.compiler.cache import SLOTS_DIR, CompileCache
 from optimum_neuron_torch.errors import InvalidRequestError, ServerBusyError
-from optimum_neuron_torch.generation.buckets import Buckets
+from optimum_neuron_torch.generation.buckets import Buckets, engine_plan
 from optimum_neuron_torch.generation.engine import GenerationEngine
-from optimum_neuron_torch.generation.requests import Event, SamplingSettings
+from optimum_neuron_torch.generation.requests import Event, Request, SamplingSettings
 from optimum_neuron_torch.serving import app as serving
 from optimum_neuron_torch.serving.app import build_app
 from optimum_neuron_torch.serving.protocol import ChatCompletionRequest, CompletionRequest, _type_tag, error_body
 from optimum_neuron_torch.serving.server import run_server
+from optimum_neuron_torch.settings import COMPILE_CACHE_ENV
 from tiny_models import VOCAB, chat_tokenizer, greedy_answer, noisy_llama, tiny_tokenizer
 
 NAME = "tiny-llama"
@@ -61,6 +65,7 @@ class ScriptedEngine:
         self.model = SimpleNamespace(generation_config=transformers.GenerationConfig(),
                                      get_input_embeddings=lambda: torch.nn.Embedding(VOCAB, 1))
         self.ready, self.busy_slots, self.waiting, self.jobs, self.cancelled = threading.Event(), 1, 2, [], []
+        self.graphs_unloaded = 3
         self.ready.set() if ready else None
         self.device_memory, self.cancel, self.stop = lambda: 123, self.cancelled.append, self.ready.clear
 
@@ -213,7 +218,7 @@ def test_a_request_waiting_for_its_answer_asks_whether_its_client_is_there(monke
 def test_health_models_api_key_body_limit_and_shutdown():
     engine = ScriptedEngine()
     app = build_app(engine, NAME, api_key="secret", max_body_bytes=200)
-    health = {"status": "ok", "device_memory_allocated": 123, "running": 1, "waiting": 2}
+    health = {"status": "ok", "device_memory_allocated": 123, "running": 1, "waiting": 2, "graphs_unloaded": 3}
     assert call(app, "GET", "/health").json() == health  # (no key wanted)
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "secret"}, {"Authorization": "secret x"}):
         response = call(app, "GET", "/v1/models", headers=headers)
@@ -415,3 +420,57 @@ def test_answers_are_transformers_greedy_tokens_up_to_a_stop_string_and_seeds_re
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     samples = [complete(max_tokens=12, temperature=1.0, seed=seed)["choices"][0]["text"] for seed in (7, 7, 8)]
     assert samples[0] == samples[1] != samples[2]  # (the same seed, the same text; another, another)
+
+
+def test_a_restarted_server_engine_is_ready_before_loading_the_graphs_it_finds_compiled(cpu_model, tmp_path,
+                                                                                         monkeypatch):
+    """An engine over graphs an earlier one left whole in the compile cache (each graph's function and
+    every program it ran) is ready without tracing, compiling or loading any; a request then loads
+    the graphs it runs and gets Transformers' greedy tokens; the idle engine loads the others. A
+    graph one of whose programs is gone is compiled before the engine is ready."""
+    monkeypatch.setenv(COMPILE_CACHE_ENV, str(tmp_path))
+
+    models = []  # (an engine holds its model by a weak reference)
+
+    def new_engine() -> GenerationEngine:  # (as a new process's: a new model, nothing traced or counted)
+        torch._dynamo.reset()
+        reset_cache_stats()
+        models.append(ont.NeuronAutoModelForCausalLM.from_pretrained(cpu_model.folder))
+        return GenerationEngine(models[-1], Buckets.for_slots(models[-1].config, 2, 64, (16,)), TOKENIZER)
+
+    first = new_engine()
+    first.warm_up(show_progress=False)
+    graphs = len(engine_plan(first.buckets))
+    assert (cache_stats().traced, first.graphs_unloaded) == (graphs, 0)  # (loading them all is the default)
+    engine = new_engine()
+    engine.warm_up(show_progress=False, load=False)
+    stats = cache_stats()
+    assert (stats.traced, stats.restored, stats.misses, stats.hits, engine.graphs_unloaded) == (0, 0, 0, 0, graphs)
+    assert engine.cache_keys == first.cache_keys  # (what `save` ships with the model: every graph's entries)
+    prompt = TOKENIZER("paris is the capital of").input_ids
+    done = []
+    engine.complete([Request(prompt, 6, SamplingSettings(), [], done.append)])
+    assert [event.completion_tokens for event in done] == list(range(1, 7))
+    assert "".join(event.text for event in done) == greedy_answer(cpu_model, TOKENIZER, prompt, 6)[1]
+    stats = cache_stats()
+    assert (stats.traced, stats.restored, stats.misses) == (0, 2, 0)  # (its prefill and greedy decode graphs)
+    engine.start(show_progress=False)  # (the server's thread: ready at once, then it loads the rest while idle)
+    engine.wait_ready(timeout=60)
+    deadline = time.monotonic() + 120
+    while engine.graphs_unloaded and time.monotonic() < deadline:
+        time.sleep(0.05)
+    engine.stop(60)
+    stats = cache_stats()
+    assert (stats.traced, stats.restored, stats.misses, engine.graphs_unloaded) == (0, graphs, 0, 0)
+
+    cache = CompileCache(tmp_path)  # one program gone: the graphs that ran it are compiled before ready
+    notes = {path: set(json.loads(path.read_text())) for path in (tmp_path / SLOTS_DIR).glob("*.programs.json")}
+    assert len(notes) == graphs and len(set.union(*notes.values())) < sum(map(len, notes.values()))
+    program = min(set.union(*notes.values()))
+    shutil.rmtree(cache.path(program))
+    engine = new_engine()
+    engine.warm_up(show_progress=False, load=False)
+    running = sum(program in programs for programs in notes.values())
+    stats = cache_stats()
+    assert (engine.graphs_unloaded, stats.restored, stats.misses, stats.traced) == (graphs - running, running, 1, 0)
+    assert cache.get(program) is not None

@@ -7,8 +7,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -22,7 +24,9 @@ import torch
 from ..device import backend_info
 from ..errors import LoweringError, UncacheableGraph, first_line
 from ..host import compiler_version
+from ..settings import compile_cache_dir
 from . import stablehlo
+from .cache import SLOTS_DIR
 
 GRAPH_FILE = "graph.bin"
 LOWERS = "ok"  # the StableHLO status of a graph that lowers; otherwise the error, or why it was not checked
@@ -98,12 +102,36 @@ def _native_target(compiler: str) -> str:
 
 def _probe_vector_isa() -> None:
     """Lets Inductor probe, outside an entry's kernel folder, which vector instruction sets the host
-    compiler and CPU support. It probes by building a small library per set, once per process, in its
-    cache: probed in an entry's folder, the libraries are built again by every process, about 7 s on
-    2 cores before the first graph loads; probed in its shared cache, once per machine."""
+    compiler and CPU support. It probes by building a small library per set in its cache and loading
+    each in a subprocess, once per process: probed in an entry's folder, the libraries are built
+    again by every process, about 7 s on 2 cores before the first graph loads; probed in its shared
+    cache, built once per machine, but still about 0.8 s of subprocesses in every process. So the
+    sets found are recorded in the compile cache under the compile environment's digest (a machine
+    with the same compiler and CPU finds the same), and a process finding the record takes the sets
+    the CPU lists as they are (Inductor's `cpp.vec_isa_ok` setting) when the record says all of them
+    passed; otherwise (no record, or a set failed its probe) Inductor probes."""
+    from torch._inductor import config
     from torch._inductor.cpu_vec_isa import valid_vec_isa_list
 
-    valid_vec_isa_list()
+    if valid_vec_isa_list.cache_info().currsize:  # (probed already in this process)
+        return
+    environment = hashlib.sha256(json.dumps(compile_environment(), sort_keys=True).encode()).hexdigest()[:16]
+    record = compile_cache_dir() / SLOTS_DIR / f"vector-isa-{environment}.json"
+    with config.patch({"cpp.vec_isa_ok": True}):
+        listed = [str(isa) for isa in valid_vec_isa_list.__wrapped__()]  # (the CPU's, unprobed)
+    try:
+        recorded = json.loads(record.read_text())
+    except (OSError, ValueError):
+        recorded = None
+    if recorded == listed:
+        with config.patch({"cpp.vec_isa_ok": True}):
+            valid_vec_isa_list()
+        return
+    found = [str(isa) for isa in valid_vec_isa_list()]
+    record.parent.mkdir(parents=True, exist_ok=True)
+    staged = record.with_suffix(f".{os.getpid()}.tmp")
+    staged.write_text(json.dumps(found))
+    os.replace(staged, record)
 
 
 @contextlib.contextmanager
@@ -149,8 +177,26 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
     except Exception as error:  # AOTAutograd bypassed its cache for this graph: nothing to serialize
         raise UncacheableGraph(compiled, f"{type(error).__name__}: {first_line(error)}") from error
     (folder / GRAPH_FILE).write_bytes(serialized)
+    _copy_kernel_libraries_built_before(folder / KERNELS_DIR)
     metadata["compile_seconds"] = round(time.perf_counter() - start, 3)
     return metadata
+
+
+# The kernel libraries of the entries this process loaded, by file name (a hash of the kernel's source).
+_kernel_libraries: dict[str, Path] = {}
+
+
+def _copy_kernel_libraries_built_before(kernels: Path) -> None:
+    """Copies into `kernels` (an entry's kernel folder) the libraries of the kernels it holds the
+    sources of but whose libraries Inductor did not build there: a kernel an earlier graph of this
+    process already built (the same source) is taken from Inductor's memory, not built again, so
+    its library is in that graph's entry only. Without it, loading the entry would build it (about
+    a second each: 53 of the 158 kernels of the default model's default buckets)."""
+    for source in kernels.rglob("*.cpp"):
+        library = source.with_suffix(".so")
+        built = _kernel_libraries.get(library.name)
+        if not library.exists() and built is not None and built.is_file():
+            shutil.copy2(built, library)
 
 
 def _lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Path, strict: bool,
@@ -187,5 +233,6 @@ def load(folder: Path) -> Callable[..., Any]:
     """The compiled graph stored in `folder`, ready to call."""
     from torch._inductor.standalone_compile import AOTCompiledArtifact
 
+    _kernel_libraries.update((library.name, library) for library in (folder / KERNELS_DIR).rglob("*.so"))
     with _inductor_cache_in(folder / KERNELS_DIR):
         return AOTCompiledArtifact.deserialize((folder / GRAPH_FILE).read_bytes())

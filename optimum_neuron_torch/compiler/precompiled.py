@@ -45,7 +45,7 @@ from ..errors import first_line
 from ..version import __version__
 from . import artifact
 from .cache import FUNCTION_KIND, SLOTS_DIR, STATS, CompileCache, autocast_state
-from .dynamo_backend import note_cache_key
+from .dynamo_backend import note_cache_key, recording_cache_keys
 from .saved_graph import GraphNotReplayable, SavedGraph, backend_named
 
 logger = logging.getLogger(__name__)
@@ -99,6 +99,7 @@ class PrecompiledFunction:
         self._lock = threading.Lock()
         self._unsaved: Callable[..., Any] | None = None  # (once a trace cannot be saved: plain torch.compile)
         self._traced: set[str] = set()  # (the keys traced by this process)
+        self._run_here: set[str] = set()  # (the keys run by this process)
 
     def _saved_graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> SavedGraph:
         return SavedGraph.from_dynamo(gm, example_inputs, self.backend)
@@ -120,9 +121,35 @@ class PrecompiledFunction:
             self._functions.insert(0, (key, modes, compiled))
         return self._run(key, compiled, model, args, kwargs)
 
+    def saved(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> set[str] | None:
+        """The compile-cache entries a call would run, when the cache holds them all: its function
+        and every program the function ran when a process first called it (noted beside the
+        entries); otherwise None. Loads and runs nothing (see `GenerationEngine.warm_up`)."""
+        if self._unsaved is not None:
+            return None
+        key = _digest(self._dependencies(model, args, kwargs))
+        cache = CompileCache()
+        try:
+            keys = {key, *json.loads(_programs_note(cache, key).read_text())}
+        except (OSError, ValueError):
+            return None
+        return keys if all(cache.get(entry) is not None for entry in keys) else None
+
     def _run(self, key: str, compiled: AOTCompiledFunction, model: torch.nn.Module, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
         note_cache_key(key)
+        if key not in self._run_here:  # (its first call here: the programs it runs are noted for `saved`)
+            with recording_cache_keys() as programs:
+                result = self._run_guarded(key, compiled, model, args, kwargs)
+            self._run_here.add(key)
+            note = _programs_note(CompileCache(), key)
+            if not note.is_file():
+                _write_atomically(note, json.dumps(sorted(programs - {key})))
+            return result
+        return self._run_guarded(key, compiled, model, args, kwargs)
+
+    def _run_guarded(self, key: str, compiled: AOTCompiledFunction, model: torch.nn.Module, args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> Any:
         try:
             return compiled(model, *args, **kwargs)
         except GraphNotReplayable as error:  # (its graph compiles on its first call)
@@ -361,6 +388,11 @@ def _remember_slot(cache: CompileCache, dependencies: dict[str, Any], key: str) 
 
 def _unsaveable_note(cache: CompileCache, key: str) -> Path:
     return cache.root / SLOTS_DIR / f"{key}.unsaveable"
+
+
+def _programs_note(cache: CompileCache, key: str) -> Path:
+    """Where the programs the function of entry `key` ran on its first call are noted (see `saved`)."""
+    return cache.root / SLOTS_DIR / f"{key}.programs.json"
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -192,7 +192,15 @@ class LayerwiseCompiled:
                 return result
         return self._whole(model, *args, **kwargs)
 
-    def _compiled_whole(self) -> Callable[..., Any]:
+    def saved(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> set[str] | None:
+        """The compile-cache entries a call would run, when it would trace and compile nothing, else
+        None (see `PrecompiledFunction.saved`); runs nothing."""
+        if self._whole is not None:
+            return self._whole.saved(model, *args, **kwargs)
+        with repeated_layers_as_regions(model):
+            return self._by_layer.saved(model, *args, **kwargs)
+
+    def _compiled_whole(self) -> PrecompiledFunction:
         # (by `backend` too: a graph without regions goes to the device's backend whole, split only
         # around what it cannot take, see `partition.compile_or_split`)
         return PrecompiledFunction(self.function, self.options, backend=f"{__name__}:backend")

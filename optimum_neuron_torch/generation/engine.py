@@ -19,9 +19,10 @@ largest batch bucket, over one `SlotCache`. Each turn of its loop:
 
 So the graphs are those of `buckets.engine_plan`: one prefill per prompt bucket, a chunk per context
 bucket a long prompt's chunks reach, and two decode steps (greedy, and sampling) per (batch bucket,
-context bucket). The server compiles (or loads from the compile cache) all of them before its first
-request (`warm_up()`), so no mix of requests compiles anything; `generate()` compiles each the first
-time it meets it, unless `precompile()` did. Every row of a step is computed as if alone (its own
+context bucket). The server compiles all of them before its first request (`warm_up()`), so no mix
+of requests compiles anything; those a previous run left whole in the compile cache it loads when
+idle, or at the first step that needs one (a restart is ready in seconds); `generate()` compiles each
+the first time it meets it, unless `precompile()` did. Every row of a step is computed as if alone (its own
 positions, mask and random numbers), so a request's tokens do not depend on the others.
 
 Requests come from any thread: the HTTP server's event loop through `submit()`, `generate()` calls
@@ -47,7 +48,7 @@ from ..errors import DEVICE_OR_JOB_FAILURES, ServerBusyError
 from .buckets import Buckets, engine_plan
 from .padding import pad_token_id
 from .requests import Event, Request, SamplingSettings
-from .slots import SlotCache, SlotSteps
+from .slots import SlotCache, SlotSteps, dummy_step
 from .split_model import StepBroadcast
 from .text import TextStream
 
@@ -108,6 +109,7 @@ class GenerationEngine:
         self._finished = threading.Event()  # `run` returned
         self._stopping = False
         self.ready = threading.Event()  # set once every graph is compiled
+        self._unloaded: collections.deque[tuple] = collections.deque()  # steps of graphs compiled, not yet loaded
         self.failure: BaseException | None = None  # what stopped the engine's thread, if anything did
         self.steps = 0  # decode steps run (tests count them)
 
@@ -144,6 +146,10 @@ class GenerationEngine:
     def device_memory(self) -> int:
         """The device memory allocated now, in bytes (the device module's `memory_allocated()`)."""
         return getattr(torch, self.model.device.type).memory_allocated(self.model.device)
+
+    @property
+    def graphs_unloaded(self) -> int:  # (compiled, in the compile cache, but not loaded yet: see `warm_up`)
+        return len(self._unloaded)
 
     @property
     def alive(self) -> bool:
@@ -281,7 +287,7 @@ class GenerationEngine:
         self._finished.clear()
         try:
             with self.device.compiling():
-                self.warm_up(show_progress)
+                self.warm_up(show_progress, load=False)
                 self.ready.set()
                 while self._turn():
                     pass
@@ -307,28 +313,30 @@ class GenerationEngine:
                 except Exception:  # (rank 0 met it too: the step's requests fail, the engine goes on)
                     logger.exception("a step failed on this rank; the next one runs")
 
-    def warm_up(self, show_progress: bool = True, sampling: bool = True) -> None:
-        """Runs every graph of `buckets.engine_plan(sampling=sampling)` once, on a free slot and dummy
-        tokens: each is compiled, or loaded from the compile cache, before the first request."""
-        sampled = SamplingSettings(temperature=1.0).row(taken=False)
+    def warm_up(self, show_progress: bool = True, sampling: bool = True, load: bool = True) -> None:
+        """Runs every graph of `buckets.engine_plan(sampling=sampling)` once (a progress bar if
+        `show_progress`), on pad tokens: each is compiled, or loaded from the compile cache, before the
+        first request. With `load=False` (the server), a graph the compile cache holds whole (its traced
+        function and every program it runs, see `PrecompiledFunction.saved`) is left for an idle turn of
+        the engine, or the first step that needs it: nothing is left to compile, and a warm start does
+        not wait for every graph to load."""
+        self._unloaded.clear()
         with contextlib.nullcontext() if self._running else self._driving():  # (the server's thread drives)
             for graph in tqdm(engine_plan(self.buckets, sampling=sampling), desc="Compiling neuron graphs",
                               disable=not show_progress):
-                context = graph.context
-                if graph.role in ("prefill", "chunk"):
-                    self.device.forward([[self.pad_token_id] * graph.tokens],
-                                        [list(range(context - graph.tokens, context))], 0, context, [0.5], [sampled],
-                                        slot=0)
+                step = dummy_step(graph, self.pad_token_id)
+                keys = None if load else self.device.saved(*step)
+                if keys is None:
+                    self.device.forward(*step)
                 else:
-                    row = sampled if graph.role == "sampling decode" else SamplingSettings().row(taken=False)
-                    self.device.forward([[self.pad_token_id]] * graph.batch, [[context - 1]] * graph.batch, 0,
-                                        context, [0.5] * graph.batch, [row] * graph.batch)
+                    self.device.cache_keys |= keys
+                    self._unloaded.append(step)
 
     def _turn(self, wait: bool = True) -> bool:
         """One turn of the loop (see the module's docstring), after waiting for work if `wait`; False
         when stopped and drained."""
         with self._condition:
-            while wait and not self._stopping and not self._waiting and not any(self._slots):
+            while wait and not self._stopping and not self._waiting and not any(self._slots) and not self._unloaded:
                 self._condition.wait()
             if self._stopping and not self._waiting and not any(self._slots):
                 return False
@@ -337,6 +345,10 @@ class GenerationEngine:
                 request = self._waiting.popleft()
                 request._slot, self._slots[slot] = slot, request
                 self._prefilling.append(request)
+            idle = not any(self._slots)
+        if idle and self._unloaded:  # (every slot free: a graph `warm_up` left in the compile cache loads now)
+            self.device.forward(*self._unloaded.popleft())
+            return True
         self._prefill()
         self._release_finished()
         rows = self._decoding_rows()
@@ -408,12 +420,12 @@ class GenerationEngine:
         ids = request.prompt[start:end] + [self.pad_token_id] * (start + length - end)
         final = end == len(request.prompt)  # (only its token is taken: only it draws a random number)
         tokens, logits = self.device.forward([ids], [list(range(start, start + length))], end - 1 - start, context,
-                                             [self._uniform(request) if final else 0.0],
+                                             [request.next_uniform() if final else 0.0],
                                              [request.sampling.row(taken=final and request.choose is None)],
                                              slot=request._slot)
         request._prefilled = end
         if final:
-            self._take(request, self._chosen(request, int(tokens[0]), logits[0]))
+            self._take(request, request.chosen(int(tokens[0]), logits[0]))
 
     def _decoding_rows(self) -> list[Request | None]:
         """The rows of the next decode step: the first slots, up to the smallest batch bucket that holds
@@ -430,7 +442,7 @@ class GenerationEngine:
         tokens, logits = self.device.forward(
             [[request.tokens[-1] if request else self.pad_token_id] for request in rows],
             [[request.position if request else position] for request, position in zip(rows, idle, strict=True)],
-            0, context, [self._uniform(request) if request else 0.0 for request in rows],
+            0, context, [request.next_uniform() if request else 0.0 for request in rows],
             [request.sampling.row(taken=request.choose is None) if request else SamplingSettings().row(taken=False)
              for request in rows])
         self.steps += 1
@@ -438,21 +450,9 @@ class GenerationEngine:
             if request is None or request.cancelled:
                 continue
             try:
-                self._take(request, self._chosen(request, token, logits[row]))
+                self._take(request, request.chosen(token, logits[row]))
             except Exception as error:  # (its own processors': it fails alone, the others take their tokens)
                 self._fail([request], error, "taking its token")
-
-    @staticmethod
-    def _chosen(request: Request, token: int, logits: torch.Tensor) -> int:
-        """`request`'s next token: the device's `token`, or its choice on the host (`Request.choose`)."""
-        return token if request.choose is None else request.choose(logits.to("cpu", torch.float32), request._generator)
-
-    @staticmethod
-    def _uniform(request: Request) -> float:
-        """The request's next uniform number (its own generator: the same tokens whatever runs beside it)."""
-        if request.sampling.temperature == 0:
-            return 0.0
-        return float(torch.rand((), generator=request._generator))
 
     def _take(self, request: Request, token: int) -> None:
         """Gives `request` its next token; sends its event."""

@@ -135,3 +135,13 @@ class Request:
     def position(self) -> int:
         """The position of the last token taken (the next decode step feeds it)."""
         return len(self.prompt) + len(self.tokens) - 1
+
+    def chosen(self, token: int, logits: torch.Tensor) -> int:
+        """The next token: the device's `token`, or the choice on the host (`choose`) from `logits`."""
+        return token if self.choose is None else self.choose(logits.to("cpu", torch.float32), self._generator)
+
+    def next_uniform(self) -> float:
+        """The next uniform number (its own generator: the same tokens whatever runs beside it)."""
+        if self.sampling.temperature == 0:
+            return 0.0
+        return float(torch.rand((), generator=self._generator))

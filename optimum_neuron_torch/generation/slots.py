@@ -43,9 +43,9 @@ from .. import errors
 from ..compiler import regions
 from ..compiler.dynamo_backend import recording_cache_keys
 from .attention import packed_attention, takes_boolean_mask
-from .buckets import Buckets, engine_plan
+from .buckets import Buckets, PlannedGraph, engine_plan
 from .compiling import COMPILE_CONFIG, QUIET_WHILE_TRACED
-from .requests import NO_PENALTIES, PENALTIES, TAKEN, WARPERS
+from .requests import NO_PENALTIES, PENALTIES, TAKEN, WARPERS, SamplingSettings
 from .sampling import penalize, sample
 from .split_model import StepBroadcast, embeddings_without_padding_index, tensor_parallel_mesh, whole_graphs_reason
 
@@ -281,6 +281,18 @@ def _as_attention_takes(mask: torch.Tensor, model: PreTrainedModel) -> torch.Ten
     return torch.where(mask, 0.0, torch.finfo(model.dtype).min).to(model.dtype)
 
 
+def dummy_step(graph: PlannedGraph, pad_token_id: int) -> tuple[Any, ...]:
+    """The arguments of `SlotSteps.forward` that run `graph` (of `buckets.engine_plan`) on pad tokens,
+    in slot 0 or the first slots: what it writes there, a request's prefill writes again."""
+    context, sampled = graph.context, SamplingSettings(temperature=1.0).row(taken=False)
+    if graph.role in ("prefill", "chunk"):
+        return ([[pad_token_id] * graph.tokens], [list(range(context - graph.tokens, context))], 0, context, [0.5],
+                [sampled], 0)
+    sampling = sampled if graph.role == "sampling decode" else SamplingSettings().row(taken=False)
+    return ([[pad_token_id]] * graph.batch, [[context - 1]] * graph.batch, 0, context, [0.5] * graph.batch,
+            [sampling] * graph.batch, None)
+
+
 class SlotSteps:
     """The device side of the generation engine: its `SlotCache` of a slot per row of the largest
     batch bucket, and its compiled `slot_step`, called with a step's host inputs (`forward`).
@@ -334,6 +346,22 @@ class SlotSteps:
             uniform: list[float], sampling: list[list[float]], slot: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """One step on this rank. A prefill always runs the graph that can sample (one row: it costs
         little); a decode step, only if a row samples or has penalties."""
+        with self._inputs(ids, positions, last, context, uniform, sampling, slot) as inputs:
+            tokens, logits = self.step(self.model, self.cache, *inputs)
+            return tokens.cpu(), logits
+
+    def saved(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
+              uniform: list[float], sampling: list[list[float]], slot: int | None) -> set[str] | None:
+        """The compile-cache entries the step `run` takes with these inputs, when it would trace and
+        compile nothing, else None (see `PrecompiledFunction.saved`); runs nothing."""
+        with self._inputs(ids, positions, last, context, uniform, sampling, slot) as inputs:
+            return self.step.saved(self.model, self.cache, *inputs)
+
+    @contextlib.contextmanager
+    def _inputs(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
+                uniform: list[float], sampling: list[list[float]], slot: int | None) -> Iterator[tuple[Any, ...]]:
+        """Within: the step's inputs on the device (after the model and the cache), the cache's writes
+        set for them and the model's attention packed."""
         device = self.model.device
         positions_tensor = torch.tensor(positions, device=device)
         writes = self.cache.writes
@@ -343,9 +371,8 @@ class SlotSteps:
         sampled = slot is not None or any(row[0] > 0 or row[PENALTIES] != NO_PENALTIES for row in sampling)
         try:
             with packed_attention(self.model):
-                tokens, logits = self.step(self.model, self.cache, torch.tensor(ids, device=device), positions_tensor,
-                                           torch.tensor([last], device=device), torch.tensor(sampling, device=device),
-                                           torch.tensor(uniform, dtype=torch.float32, device=device), sampled)
-            return tokens.cpu(), logits
+                yield (torch.tensor(ids, device=device), positions_tensor, torch.tensor([last], device=device),
+                       torch.tensor(sampling, device=device),
+                       torch.tensor(uniform, dtype=torch.float32, device=device), sampled)
         finally:  # (between steps the device holds the cache only)
             writes.positions = writes.slot = None

@@ -2,7 +2,8 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (streamed as server-sent events
 ending with `data: [DONE]`, or whole), `GET /v1/models`, `GET /health` (503 until every graph is
-compiled). With an API key, every route but `/health` wants `Authorization: Bearer <key>`.
+compiled; then 200, counting the graphs not loaded yet). With an API key, every route but `/health`
+wants `Authorization: Bearer <key>`.
 Request bodies above `max_body_bytes` are refused (413) before they are read whole.
 
 Each request goes to the engine's thread through `Request.on_event`, which hands its events to the
@@ -102,7 +103,8 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
     async def health() -> JSONResponse:
         if engine.ready.is_set() and engine.alive:
             return JSONResponse({"status": "ok", "device_memory_allocated": engine.device_memory(),
-                                 "running": engine.busy_slots, "waiting": engine.waiting})
+                                 "running": engine.busy_slots, "waiting": engine.waiting,
+                                 "graphs_unloaded": engine.graphs_unloaded})
         status = "failed" if engine.failure is not None else "stopped" if engine.ready.is_set() else "loading"
         return JSONResponse({"status": status}, status_code=503)
 
