@@ -8,15 +8,18 @@ from __future__ import annotations
 import importlib
 import json
 import linecache
+import shutil
 import sys
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from optimum_neuron_torch.compiler import cache_stats, reset_cache_stats
+from optimum_neuron_torch.compiler import cache_stats, precompiled, reset_cache_stats
 from optimum_neuron_torch.compiler.cache import CHECKSUMS, METADATA, CompileCache, folder_checksums
 from optimum_neuron_torch.compiler.precompiled import FUNCTION_FILE, PrecompiledFunction
+from optimum_neuron_torch.device import backend_info
 from optimum_neuron_torch.settings import COMPILE_CACHE_ENV
 
 OPTIONS = {"fullgraph": True, "dynamic": False}
@@ -101,6 +104,26 @@ def test_a_new_process_restores_the_function_instead_of_tracing_it(cache):
     assert json.loads((function_entry(cache).path / METADATA).read_text())["function"].endswith(".step")
     run(model, torch.randn(3, 8))  # another shape: another function
     assert counts() == (1, 1, 1)
+
+
+def test_saved_names_the_entries_of_a_call_the_cache_holds_whole(cache, monkeypatch):
+    """`saved()` (what lets the server start before loading its graphs): the entries of the function
+    and of every program it ran, once its first call noted them; None before, when one is gone, and
+    on TorchNeuron (whose NEFF cache holds the programs). It loads nothing."""
+    model, x = model_and_input()
+    model, device_x = model.to("neuron"), x.to("neuron")
+    with torch.no_grad():
+        assert PrecompiledFunction(step, OPTIONS, backend="neuron").saved(model, device_x) is None
+        run(model, x)  # (compared with the model on the CPU: it is moved back)
+        new_process()
+        keys = PrecompiledFunction(step, OPTIONS, backend="neuron").saved(model.to("neuron"), device_x)
+        assert keys == {entry.key for entry in cache.entries()} and len(keys) == 2  # (the function, its program)
+        assert counts() == (0, 0, 0) and cache_stats().hits == 0
+        monkeypatch.setattr(precompiled, "backend_info", lambda: SimpleNamespace(compiles_itself=True))
+        assert PrecompiledFunction(step, OPTIONS, backend="neuron").saved(model, device_x) is None
+        monkeypatch.setattr(precompiled, "backend_info", backend_info)
+        shutil.rmtree(next(entry for entry in cache.entries() if not entry.is_function).path)
+        assert PrecompiledFunction(step, OPTIONS, backend="neuron").saved(model, device_x) is None
 
 
 def test_a_damaged_or_foreign_function_is_never_run(cache):

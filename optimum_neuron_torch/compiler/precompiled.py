@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch._dynamo.aot_compile import AOTCompiledFunction
 
+from ..device import backend_info
 from ..errors import first_line
 from ..version import __version__
 from . import artifact
@@ -124,8 +125,10 @@ class PrecompiledFunction:
     def saved(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> set[str] | None:
         """The compile-cache entries a call would run, when the cache holds them all: its function
         and every program the function ran when a process first called it (noted beside the
-        entries); otherwise None. Loads and runs nothing (see `GenerationEngine.warm_up`)."""
-        if self._unsaved is not None:
+        entries); otherwise None. Loads and runs nothing (see `GenerationEngine.warm_up`). Always
+        None on TorchNeuron: its programs are in its NEFF cache, which cannot be asked about a graph
+        without lowering it."""
+        if self._unsaved is not None or backend_info().compiles_itself:
             return None
         key = _digest(self._dependencies(model, args, kwargs))
         cache = CompileCache()
