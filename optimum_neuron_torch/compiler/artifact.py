@@ -26,7 +26,7 @@ from ..errors import LoweringError, UncacheableGraph, first_line
 from ..host import compiler_version
 from ..settings import compile_cache_dir
 from . import stablehlo
-from .cache import SLOTS_DIR
+from .cache import SLOTS_DIR, write_atomically
 
 GRAPH_FILE = "graph.bin"
 LOWERS = "ok"  # the StableHLO status of a graph that lowers; otherwise the error, or why it was not checked
@@ -127,11 +127,7 @@ def _probe_vector_isa() -> None:
         with config.patch({"cpp.vec_isa_ok": True}):
             valid_vec_isa_list()
         return
-    found = [str(isa) for isa in valid_vec_isa_list()]
-    record.parent.mkdir(parents=True, exist_ok=True)
-    staged = record.with_suffix(f".{os.getpid()}.tmp")
-    staged.write_text(json.dumps(found))
-    os.replace(staged, record)
+    write_atomically(record, json.dumps([str(isa) for isa in valid_vec_isa_list()]))
 
 
 @contextlib.contextmanager

@@ -91,6 +91,15 @@ class Entry:
         return sum(file.stat().st_size for file in self.path.rglob("*") if file.is_file())
 
 
+def write_atomically(path: Path, text: str) -> None:
+    """Writes `text` to `path` under a temporary name, then renames it: a reader finds the old file or the new one,
+    never part of one (two processes may write the same note at once)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_suffix(f".{os.getpid()}.tmp")
+    staged.write_text(text)
+    os.replace(staged, path)
+
+
 def file_digest(path: Path) -> str:
     """The SHA-256 of a file, in hex."""
     digest = hashlib.sha256()

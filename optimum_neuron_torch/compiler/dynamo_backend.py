@@ -99,8 +99,8 @@ def recording_cache_keys() -> Iterator[set[str]]:
     _recorders.append(keys)
     try:
         yield keys
-    finally:
-        _recorders.remove(keys)
+    finally:  # (this block's own set: an enclosing block's may hold the same keys, and `remove` compares by value)
+        del _recorders[next(index for index, recorder in enumerate(_recorders) if recorder is keys)]
 
 
 def compile_cached(gm: torch.fx.GraphModule, example_inputs: list[Any], options: dict[str, Any],

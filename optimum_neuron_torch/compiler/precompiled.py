@@ -29,7 +29,6 @@ import importlib
 import inspect
 import json
 import logging
-import os
 import sys
 import threading
 import types
@@ -45,7 +44,7 @@ from ..device import backend_info
 from ..errors import first_line
 from ..version import __version__
 from . import artifact
-from .cache import FUNCTION_KIND, SLOTS_DIR, STATS, CompileCache, autocast_state
+from .cache import FUNCTION_KIND, SLOTS_DIR, STATS, CompileCache, autocast_state, write_atomically
 from .dynamo_backend import note_cache_key, recording_cache_keys
 from .saved_graph import GraphNotReplayable, SavedGraph, backend_named
 
@@ -100,7 +99,6 @@ class PrecompiledFunction:
         self._lock = threading.Lock()
         self._unsaved: Callable[..., Any] | None = None  # (once a trace cannot be saved: plain torch.compile)
         self._traced: set[str] = set()  # (the keys traced by this process)
-        self._run_here: set[str] = set()  # (the keys run by this process)
 
     def _saved_graph(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> SavedGraph:
         return SavedGraph.from_dynamo(gm, example_inputs, self.backend)
@@ -120,7 +118,12 @@ class PrecompiledFunction:
             except _NotSaveable as error:
                 return self._unsaveable(error, model, args, kwargs)
             self._functions.insert(0, (key, modes, compiled))
-        return self._run(key, compiled, model, args, kwargs)
+        with recording_cache_keys() as ran:  # (its first call here: the programs it runs are noted for `saved`)
+            result = self._run(key, compiled, model, args, kwargs)
+        note = _programs_note(CompileCache(), key)
+        if not note.is_file():
+            write_atomically(note, json.dumps(sorted(ran - {key})))
+        return result
 
     def saved(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> set[str] | None:
         """The compile-cache entries a call would run, when the cache holds them all: its function
@@ -141,18 +144,6 @@ class PrecompiledFunction:
     def _run(self, key: str, compiled: AOTCompiledFunction, model: torch.nn.Module, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> Any:
         note_cache_key(key)
-        if key not in self._run_here:  # (its first call here: the programs it runs are noted for `saved`)
-            with recording_cache_keys() as programs:
-                result = self._run_guarded(key, compiled, model, args, kwargs)
-            self._run_here.add(key)
-            note = _programs_note(CompileCache(), key)
-            if not note.is_file():
-                _write_atomically(note, json.dumps(sorted(programs - {key})))
-            return result
-        return self._run_guarded(key, compiled, model, args, kwargs)
-
-    def _run_guarded(self, key: str, compiled: AOTCompiledFunction, model: torch.nn.Module, args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> Any:
         try:
             return compiled(model, *args, **kwargs)
         except GraphNotReplayable as error:  # (its graph compiles on its first call)
@@ -160,7 +151,7 @@ class PrecompiledFunction:
                 self._functions = [function for function in self._functions if function[0] != key]
                 cache = CompileCache()
                 cache.discard(key, str(error))
-                _write_atomically(_unsaveable_note(cache, key), str(error))
+                write_atomically(_unsaveable_note(cache, key), str(error))
                 return self._unsaveable(error, model, args, kwargs)
 
     def _unsaveable(self, error: Exception, model: torch.nn.Module, args: tuple[Any, ...],
@@ -211,7 +202,7 @@ class PrecompiledFunction:
         try:
             entry, built = cache.get_or_build(key, trace)
         except _NotSaveable as error:  # (the next process compiles it unsaved at once: no trace lost)
-            _write_atomically(note, str(error))
+            write_atomically(note, str(error))
             raise
         if built:
             self._traced.add(key)
@@ -385,7 +376,7 @@ def _changed_source(compiled: AOTCompiledFunction) -> str | None:
 
 def _remember_slot(cache: CompileCache, dependencies: dict[str, Any], key: str) -> None:
     """Notes which entry was saved last for this call, to name what changed when it is not used."""
-    _write_atomically(cache.root / SLOTS_DIR / f"{_slot(dependencies)}.json",
+    write_atomically(cache.root / SLOTS_DIR / f"{_slot(dependencies)}.json",
                       json.dumps({"key": key, **dependencies}, sort_keys=True))
 
 
@@ -396,13 +387,6 @@ def _unsaveable_note(cache: CompileCache, key: str) -> Path:
 def _programs_note(cache: CompileCache, key: str) -> Path:
     """Where the programs the function of entry `key` ran on its first call are noted (see `saved`)."""
     return cache.root / SLOTS_DIR / f"{key}.programs.json"
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staged = path.with_suffix(f".{os.getpid()}.tmp")
-    staged.write_text(text)
-    os.replace(staged, path)
 
 
 def _explain_miss(cache: CompileCache, dependencies: dict[str, Any]) -> str | None:
