@@ -124,6 +124,30 @@ def test_every_entry_holds_the_library_of_each_kernel_it_loads(saved_llama, tmp_
                in entry.metadata[CHECKSUMS] for entry in entries for source in entry.path.rglob("*.cpp"))
 
 
+def test_a_kernel_is_built_once_whichever_graph_or_process_needs_it(saved_llama, tmp_path, monkeypatch):
+    """Inductor builds C++ kernels in a folder of the compile cache shared by every process (and rank),
+    and each entry holds the very libraries built there: the graphs of a later process (here: this one
+    with Inductor's memory of its kernels cleared) that share a kernel with earlier ones do not build
+    it again. Every library of every entry is then one file per kernel, and each entry stays whole."""
+    from torch._inductor import codecache
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    model = NeuronAutoModelForCausalLM.from_pretrained(saved_llama)
+    model.precompile(batch_sizes=(1,), prompt_buckets=(16,), max_length=64, show_progress=False, sampling=False)
+    first = {entry.key for entry in CompileCache(tmp_path).entries()}
+    for memory in (codecache.CppCodeCache.cache, codecache.CppPythonBindingsCodeCache.cache):
+        memory.clear()  # (as in a new process; later graphs load their libraries again from their entries)
+    monkeypatch.setattr(artifact, "_kernel_libraries", {})
+    model.precompile(batch_sizes=(1,), prompt_buckets=(32,), max_length=64, show_progress=False, sampling=False)
+    entries = [entry for entry in CompileCache(tmp_path).entries() if not entry.is_function]
+    libraries = [library for entry in entries for library in entry.path.rglob("*.so")]
+    later = [library.name for entry in entries if entry.key not in first for library in entry.path.rglob("*.so")]
+    earlier = {library.name for entry in entries if entry.key in first for library in entry.path.rglob("*.so")}
+    assert set(later) & earlier  # (the later graphs share kernels with the earlier ones)
+    assert len({library.stat().st_ino for library in libraries}) == len({library.name for library in libraries})
+    assert all(entry.path.joinpath(name).is_file() for entry in entries for name in entry.metadata[CHECKSUMS])
+
+
 def test_the_vector_isa_probe_runs_once_per_compile_environment(tmp_path, monkeypatch):
     """Inductor's probe of the vector instruction sets the compiler and CPU support (a library built
     and loaded in a subprocess per set) runs once per compile environment: the sets found are

@@ -207,6 +207,25 @@ def test_padded_batch_matches_one_by_one(llama):
     assert batch.tolist() == cpu.generate(ids, attention_mask=mask, max_new_tokens=6, **GREEDY).tolist()
 
 
+def test_the_rows_of_a_call_decode_together_and_a_call_larger_than_the_slots_finishes(llama):
+    """The prompts of one generate() call are prefilled one by one, then decode together: every decode
+    step holds all of them (no graph for fewer rows is run, nor compiled by a call that was not
+    precompiled). A call of more prompts than slots (5, 4 slots) still finishes: the fifth waits for a slot,
+    and starts alone (its call's other rows are decoding, not prefilling)."""
+    cpu, model = llama
+    seen = engine_steps(model)
+    for batch in (3, 5):
+        ids = prompt(6, batch, seed=batch)
+        settings = dict(max_new_tokens=5, eos_token_id=None, **GREEDY)
+        assert model.generate(ids.to("neuron"), **settings).cpu().tolist() == cpu.generate(ids, **settings).tolist()
+        decode_rows = [rows for rows, tokens, _ in seen if tokens == 1]
+        prefills = sum(tokens > 1 for _, tokens, _ in seen)
+        assert prefills == batch
+        # 4 decode steps of the 4 slots (the call's 3 or first 4 rows); the fifth row's 4, alone
+        assert decode_rows == [4] * 4 + [1] * 4 * (batch - 4), (batch, seen)
+        seen.clear()
+
+
 def test_greedy_steps_and_a_repetition_penalty_move_the_chosen_tokens_only(llama):
     """Greedy search, with or without Transformers' repetition penalty (applied in the step, from the
     token counts of each slot), moves each step's chosen tokens to the host, 8 bytes a row, never

@@ -26,7 +26,7 @@ from ..errors import LoweringError, UncacheableGraph, first_line
 from ..host import compiler_version
 from ..settings import compile_cache_dir
 from . import stablehlo
-from .cache import SLOTS_DIR, write_atomically
+from .cache import KERNEL_BUILDS_DIR, SLOTS_DIR, write_atomically
 
 GRAPH_FILE = "graph.bin"
 LOWERS = "ok"  # the StableHLO status of a graph that lowers; otherwise the error, or why it was not checked
@@ -115,8 +115,7 @@ def _probe_vector_isa() -> None:
 
     if valid_vec_isa_list.cache_info().currsize:  # (probed already in this process)
         return
-    environment = hashlib.sha256(json.dumps(compile_environment(), sort_keys=True).encode()).hexdigest()[:16]
-    record = compile_cache_dir() / SLOTS_DIR / f"vector-isa-{environment}.json"
+    record = compile_cache_dir() / SLOTS_DIR / f"vector-isa-{_environment_digest()}.json"
     with config.patch({"cpp.vec_isa_ok": True}):
         listed = [str(isa) for isa in valid_vec_isa_list.__wrapped__()]  # (the CPU's, unprobed)
     try:
@@ -130,11 +129,16 @@ def _probe_vector_isa() -> None:
     write_atomically(record, json.dumps([str(isa) for isa in valid_vec_isa_list()]))
 
 
+def _environment_digest() -> str:
+    return hashlib.sha256(json.dumps(compile_environment(), sort_keys=True).encode()).hexdigest()[:16]
+
+
 @contextlib.contextmanager
 def _inductor_cache_in(folder: Path) -> Iterator[None]:
-    """Points Inductor's kernel cache at `folder` (its documented `TORCHINDUCTOR_CACHE_DIR`), so
-    the C++ kernels of a graph are written to, and found in, the graph's own entry. Inductor's probe
-    of the CPU's vector instruction sets runs first, in its shared cache (see `_probe_vector_isa`)."""
+    """Points Inductor's cache at `folder` (its documented `TORCHINDUCTOR_CACHE_DIR`): the folder
+    shared by every compile (see `_kernels_built_once`), or an entry's own folder, whose kernels a
+    load finds there. Inductor's probe of the CPU's vector instruction sets runs first, in its own
+    cache (see `_probe_vector_isa`)."""
     _probe_vector_isa()
     previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
@@ -163,7 +167,7 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
         metadata["stablehlo"] = _lower_to_stablehlo(gm, example_inputs, folder, strict_lowering, lowering_failure)
     register()
     start = time.perf_counter()
-    with host_memory_codegen(), _inductor_cache_in(folder / KERNELS_DIR):
+    with host_memory_codegen(), _kernels_built_once(folder / KERNELS_DIR):
         compiled = standalone_compile(
             gm, example_inputs, dynamic_shapes="from_example_inputs", aot=True,
             options={"config_patches": options} if options else None,
@@ -173,7 +177,6 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
     except Exception as error:  # AOTAutograd bypassed its cache for this graph: nothing to serialize
         raise UncacheableGraph(compiled, f"{type(error).__name__}: {first_line(error)}") from error
     (folder / GRAPH_FILE).write_bytes(serialized)
-    _copy_kernel_libraries_built_before(folder / KERNELS_DIR)
     metadata["compile_seconds"] = round(time.perf_counter() - start, 3)
     return metadata
 
@@ -182,17 +185,63 @@ def compile_into(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Pa
 _kernel_libraries: dict[str, Path] = {}
 
 
-def _copy_kernel_libraries_built_before(kernels: Path) -> None:
-    """Copies into `kernels` (an entry's kernel folder) the libraries of the kernels it holds the
-    sources of but whose libraries Inductor did not build there: a kernel an earlier graph of this
-    process already built (the same source) is taken from Inductor's memory, not built again, so
-    its library is in that graph's entry only. Without it, loading the entry would build it (about
-    a second each: 53 of the 158 kernels of the default model's default buckets)."""
-    for source in kernels.rglob("*.cpp"):
+@contextlib.contextmanager
+def _kernels_built_once(kernels: Path) -> Iterator[None]:
+    """Inside the block, Inductor builds C++ kernels in one folder of the compile cache shared by every
+    process of the compile environment (`KERNEL_BUILDS_DIR`); at its end, the sources and libraries of
+    the kernels the graph loads are put in `kernels`, the entry's own folder, which `load` reads (an
+    entry stays whole: it can be copied to another machine alone). So a kernel is built once (about a
+    second on 2 cores), whichever graph, process or rank needs it: the ranks of a tensor-parallel job
+    compile graphs differing by a few constants (their share of the vocabulary) at the same time, and
+    Inductor's lock on the shared folder lets one of them build each common kernel while the others
+    wait for it (2 ranks of a tiny Llama: 13 of the 14 kernels of a prefill graph are the same). A
+    kernel this process loaded earlier is taken from memory: its library comes from the entry it was
+    loaded from. The sources are noted as Inductor writes them (`codecache.write`, the one place
+    every kernel's source goes through, found or not)."""
+    from torch._inductor import codecache
+
+    shared = compile_cache_dir() / KERNEL_BUILDS_DIR / _environment_digest()
+    sources: list[Path] = []
+    write = codecache.write
+
+    def noting_write(*args: Any, **kwargs: Any) -> tuple[str, str]:
+        key, path = write(*args, **kwargs)
+        if path.endswith(".main.cpp"):
+            sources.append(Path(path))
+        return key, path
+
+    codecache.write = noting_write
+    try:
+        with _inductor_cache_in(shared):
+            yield
+    finally:
+        codecache.write = write
+    for source in sources:
         library = source.with_suffix(".so")
         built = _kernel_libraries.get(library.name)
-        if not library.exists() and built is not None and built.is_file():
-            shutil.copy2(built, library)
+        if built is not None and built.is_file():  # (taken from memory: the shared folder gets it for later)
+            _link(built, library)
+        else:  # (built or found there: Inductor waits for the lock of a library another process builds)
+            built = library
+        for found in (source, built):
+            if found.is_file():
+                _link(found, kernels / found.parent.name / found.name)
+        # (and the lock Inductor takes to load it: a load writes nothing, so a read-only cache serves)
+        (kernels / "locks").mkdir(parents=True, exist_ok=True)
+        (kernels / "locks" / f"{source.name.removesuffix('.main.cpp')}.lock").touch()
+
+
+def _link(source: Path, target: Path) -> None:
+    """`target` made the same file as `source` (a copy across file systems); left alone if it exists."""
+    if target.exists():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source, target)
+    except FileExistsError:  # (another process linked it first)
+        pass
+    except OSError:  # (another file system)
+        shutil.copy2(source, target)
 
 
 def _lower_to_stablehlo(gm: torch.fx.GraphModule, example_inputs: list[Any], folder: Path, strict: bool,

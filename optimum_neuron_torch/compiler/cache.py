@@ -71,6 +71,7 @@ def reset_cache_stats() -> None:
 
 FUNCTION_KIND = "compiled function"  # the `kind` of an entry holding a traced function (see `precompiled`)
 SLOTS_DIR = "warm-starts"  # (beside the entries: which function was saved last for each call, see `precompiled`)
+KERNEL_BUILDS_DIR = "kernel-builds"  # (Inductor's cache while compiling: each kernel built once, see `artifact`)
 
 
 @dataclass(frozen=True)
@@ -270,5 +271,6 @@ class CompileCache:
             removed += 1
         shutil.rmtree(self.root / "tmp", ignore_errors=True)
         shutil.rmtree(self.root / SLOTS_DIR, ignore_errors=True)
+        shutil.rmtree(self.root / KERNEL_BUILDS_DIR, ignore_errors=True)
         return removed
 

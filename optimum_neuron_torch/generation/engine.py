@@ -11,9 +11,9 @@ largest batch bucket, over one `SlotCache`. Each turn of its loop:
    smallest context bucket that holds it (see `_next_piece`). A request whose last piece ran has its
    first token. So a long prompt never stalls the decoding requests for more than one chunk a turn;
 3. one decode step runs for the first `b` slots (`b` the smallest batch bucket that holds every
-   decoding slot), over the smallest context bucket that holds their longest sequence; the other
-   slots among them (free, or prefilling) compute a token that is thrown away, written where their
-   next piece writes anyway;
+   decoding slot; the rows of a `generate()` call start together, see `Request.held`), over the
+   smallest context bucket that holds their longest sequence; the other slots among them (free,
+   prefilling, held) compute a token that is thrown away, written where their next piece writes anyway;
 4. each request takes its token; one that is done (end-of-sequence token, stop string,
    `max_tokens`, or its client gone) leaves, and its slot is free for the next turn.
 
@@ -203,6 +203,7 @@ class GenerationEngine:
         """
         for request in requests:
             request.check(self.buckets.max_length, "input_ids")
+            request._call = requests
         with self._condition:
             self._waiting.extend(requests)
             self._condition.notify_all()
@@ -429,9 +430,9 @@ class GenerationEngine:
 
     def _decoding_rows(self) -> list[Request | None]:
         """The rows of the next decode step: the first slots, up to the smallest batch bucket that holds
-        every decoding request, None where a slot is free or prefilling."""
-        decoding = [request if request is not None and not request.prefilling and not request.cancelled else None
-                    for request in self._slots]
+        every decoding request, None where a slot is free, prefilling, or `held`."""
+        decoding = [request if request is not None and not (request.prefilling or request.cancelled or request.held)
+                    else None for request in self._slots]
         last = max((slot for slot, request in enumerate(decoding) if request is not None), default=None)
         return [] if last is None else decoding[:self.buckets.batch_size_for(last + 1)]
 
@@ -481,9 +482,7 @@ class GenerationEngine:
 
     def _release_finished(self) -> None:
         with self._condition:
-            for slot, request in enumerate(self._slots):
-                if request is not None and request.cancelled:
-                    self._slots[slot] = None
+            self._slots = [None if request is not None and request.cancelled else request for request in self._slots]
             self._condition.notify_all()  # (`complete()` callers wait for their requests)
 
     def _fail_all(self, error: BaseException) -> None:

@@ -99,6 +99,7 @@ class Request:
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
     _slot: int | None = field(default=None, init=False, repr=False)
     _prefilled: int = field(default=0, init=False, repr=False)  # prompt tokens in the cache so far
+    _call: list[Request] = field(default_factory=list, init=False, repr=False)  # its `generate()` call's requests
 
     def check(self, max_length: int, prompt_field: str = "prompt") -> None:
         """Checks the prompt and `max_tokens` against a cache of `max_length` positions per slot, and
@@ -130,6 +131,15 @@ class Request:
     def prefilling(self) -> bool:
         """Whether part of the prompt is still to be written into the cache (no token taken yet)."""
         return self._prefilled < len(self.prompt)
+
+    @property
+    def held(self) -> bool:
+        """Whether it waits for its first decode step: the other requests of its `generate()` call that
+        have a slot are still prefilling. The rows of a call then decode together, in the graph of one
+        batch bucket (a call of 2 prompts compiles no decode step for 1 row); no one sees the delay,
+        as the call returns when its last row is done. Requests of the server are never held."""
+        return len(self.tokens) == 1 and any(other._slot is not None and other.prefilling and not other.cancelled
+                                             for other in self._call)
 
     @property
     def position(self) -> int:
