@@ -161,13 +161,22 @@ class InvalidRequestError(NeuronTorchError, ValueError):
         self.param = param
 
 
-class ServerBusyError(NeuronTorchError, RuntimeError):
-    """The server takes no request now: its queue is full (`retry_after` seconds is a fair wait),
-    or it is starting or stopping (`retry_after` is None)."""
+class ModelNotFoundError(InvalidRequestError):
+    """A request naming a model (or adapter) the server does not serve (404, as the OpenAI API
+    answers it: `model_not_found`)."""
 
-    def __init__(self, message: str, retry_after: int | None = None) -> None:
+    def __init__(self, message: str) -> None:
+        super().__init__(message, "model")
+
+
+class ServerBusyError(NeuronTorchError, RuntimeError):
+    """The server takes no request now: its queue is full (429; `retry_after` seconds is a fair wait),
+    it is `starting` (503; the server says when to retry), or stopping or failed (503)."""
+
+    def __init__(self, message: str, retry_after: int | None = None, *, starting: bool = False) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.starting = starting
 
 
 class UncacheableGraph(Exception):

@@ -207,9 +207,66 @@ def test_sampling_with_a_seed_does_not_depend_on_other_requests(server, client):
 
 
 @pytest.mark.slow
+def test_batched_prompts_and_n_choices_are_the_answers_of_single_requests(server, client, cpu_model, tokenizer):
+    """A batch of prompts (texts, or token-id lists as lm-eval sends them) answers each as alone (greedy: the
+    CPU's tokens); `n` sampled choices with a seed are the single requests with seed, seed + 1, ..."""
+    prompts = [tokenizer(question).input_ids for question in QUESTIONS[:3]]
+    expected = [greedy_answer(cpu_model, tokenizer, prompt, 8)[1] for prompt in prompts]
+    for batch in (QUESTIONS[:3], prompts):
+        answer = client.completions.create(model=NAME, prompt=batch, max_tokens=8, temperature=0)
+        assert [(choice.index, choice.text) for choice in answer.choices] == list(enumerate(expected))
+        assert (answer.usage.prompt_tokens, answer.usage.completion_tokens) == (sum(map(len, prompts)), 24)
+    settings = dict(model=NAME, max_tokens=10, temperature=1.0, top_p=0.9)
+    singles = [client.completions.create(prompt=QUESTIONS[3], seed=seed, **settings).choices[0].text
+               for seed in (7, 8, 9)]
+    choices = client.completions.create(prompt=[QUESTIONS[3], QUESTIONS[3]], n=3, seed=7, **settings).choices
+    assert [choice.text for choice in choices] == singles * 2 and len(set(singles)) > 1
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, n=2, max_tokens=8, temperature=0)
+    expected = greedy_answer(cpu_model, tokenizer, chat_ids(tokenizer, QUESTIONS[0]), 8)[1]
+    assert [choice.message.content for choice in chat.choices] == [expected, expected]
+
+
+@pytest.mark.slow
+def test_logprobs_are_those_of_transformers_on_the_cpu(client, cpu_model, tokenizer):
+    """`logprobs` / `top_logprobs` (chat) and `logprobs` (completions): each generated token's log-probability
+    under the model's raw logits and the most likely tokens', as Transformers computes them on the CPU."""
+    prompt = chat_ids(tokenizer, QUESTIONS[0])
+    tokens, text = greedy_answer(cpu_model, tokenizer, prompt, 6)
+    with torch.no_grad():
+        logits = cpu_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+    expected = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+    top = logits.topk(3)
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    answer = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                            top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    assert answer.choices[0].message.content == text
+    assert [item.token for item in content] == [tokenizer.decode([token]) for token in tokens]
+    assert [item.logprob for item in content] == pytest.approx(expected, abs=1e-4)
+    assert [[tokenizer.decode([t]) for t in row] for row in top.indices.tolist()] == [
+        [choice.token for choice in item.top_logprobs] for item in content]
+    assert [choice.logprob for item in content for choice in item.top_logprobs] == pytest.approx(
+        top.values.flatten().tolist(), abs=1e-4)
+    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0,
+                                                 logprobs=True, stream=True))
+    streamed = [item for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for item in chunk.choices[0].logprobs.content]
+    assert [item.logprob for item in streamed] == pytest.approx(expected, abs=1e-4)
+    assert all(item.top_logprobs == [] for item in streamed)
+    completion = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0, logprobs=2)
+    columns = completion.choices[0].logprobs
+    assert columns.token_logprobs == pytest.approx(expected, abs=1e-4)
+    assert columns.tokens == [tokenizer.decode([token]) for token in tokens]  # (each decoded alone)
+    assert columns.text_offset == [len("".join(columns.tokens[:index])) for index in range(6)]
+    assert [len(row) for row in columns.top_logprobs] == [2] * 6
+    plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("body, param", [
     (b'{"model": "tiny-llama", "messages": [', None),
-    ({"model": "other", "messages": [{"role": "user", "content": "hi"}]}, "model"),
     ({"model": NAME}, "messages"),
     ({"model": NAME, "messages": "hi"}, "messages"),
     ({"model": NAME, "messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
@@ -220,11 +277,14 @@ def test_sampling_with_a_seed_does_not_depend_on_other_requests(server, client):
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}, "max_tokens"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature"),
-    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "n": 99}, "n"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_k": 2**40}, "top_k"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 2.5}, "presence_penalty"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}, "repetition_penalty"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "min_p": 1.5}, "min_p"),
-    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": 1}, "logprobs"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
+    ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"model": NAME, "messages": [{"role": "user", "content": "the cat " * 80}]}, "messages"),
     ({"model": NAME, "messages": [{"role": "user", "content": "hi"}], "seed": 2**70}, "seed"),
@@ -241,9 +301,11 @@ def test_bad_requests_get_400_naming_the_field(server, body, param):
 @pytest.mark.slow
 def test_completion_prompts_it_cannot_take_get_400(server):
     _, url = server
-    for prompt, message in [([1, 2, 100000], "vocabulary"), (["one", "two"], "one prompt"), ([], "no tokens")]:
+    for prompt, message, param in [([1, 2, 100000], "vocabulary", "prompt"), ([], "no tokens", "prompt"),
+                                   ([[1], []], "no tokens", "prompt.1"),
+                                   ([[1], [2, 100000]], "vocabulary", "prompt.1")]:
         response = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": prompt})
-        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
         assert message in response.json()["error"]["message"]
 
 
@@ -462,6 +524,7 @@ def test_api_key_body_limit_health_and_models(server, folder, tokenizer):
             assert (health.status_code, health.json()["status"]) == (503, "loading")
             response = await http.post("/v1/completions", json={"model": NAME, "prompt": "hi"})
             assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
+            assert response.headers["retry-after"] == "5"  # (as long as the graphs compile or load)
 
     asyncio.run(run())
 

@@ -25,10 +25,10 @@ from starlette.testclient import TestClient
 import optimum_neuron_torch as ont
 from optimum_neuron_torch.compiler import cache_stats, reset_cache_stats
 from optimum_neuron_torch.compiler.cache import SLOTS_DIR, CompileCache
-from optimum_neuron_torch.errors import InvalidRequestError, ServerBusyError
+from optimum_neuron_torch.errors import InvalidRequestError, ModelNotFoundError, ServerBusyError
 from optimum_neuron_torch.generation.buckets import Buckets, engine_plan
 from optimum_neuron_torch.generation.engine import GenerationEngine
-from optimum_neuron_torch.generation.requests import Event, Request, SamplingSettings
+from optimum_neuron_torch.generation.requests import Event, Request, SamplingSettings, TokenLogprob
 from optimum_neuron_torch.serving import app as serving
 from optimum_neuron_torch.serving.app import build_app
 from optimum_neuron_torch.serving.protocol import ChatCompletionRequest, CompletionRequest, _type_tag, error_body
@@ -66,13 +66,13 @@ class ScriptedEngine:
         self.model = SimpleNamespace(generation_config=transformers.GenerationConfig(),
                                      get_input_embeddings=lambda: torch.nn.Embedding(VOCAB, 1))
         self.ready, self.busy_slots, self.waiting, self.jobs, self.cancelled = threading.Event(), 1, 2, [], []
-        self.graphs_unloaded = 3
+        self.graphs_unloaded, self.batch_size, self.busy_after = 3, 2, None
         self.ready.set() if ready else None
         self.device_memory, self.cancel, self.stop = lambda: 123, self.cancelled.append, self.ready.clear
 
     def submit(self, job, prompt_field="prompt") -> None:
         job.check(64, prompt_field)
-        if self.busy:
+        if self.busy and (self.busy_after is None or len(self.jobs) >= self.busy_after):
             raise self.busy
         self.jobs.append((job, prompt_field))
         for event in self.events:
@@ -98,7 +98,8 @@ def sse(response: httpx.Response) -> list[dict]:
 
 def test_parse_reads_the_fields_and_refuses_bad_ones_naming_them():
     for fields, param in [
-        ({"model": 1}, "model"), ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"), ({"n": 2}, "n"),
+        ({"model": 1}, "model"), ({"messages": []}, "messages"), ({"messages": "hi"}, "messages"), ({"n": 0}, "n"),
+        ({"n": 2**31}, "n"), ({"top_k": 2**31}, "top_k"), ({"ignore_eos": 1}, "ignore_eos"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"), ({"top_k": -2}, "top_k"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages.0.content"),
         ({"max_tokens": "10"}, "max_tokens"), ({"max_tokens": 0}, "max_tokens"), ({"seed": 2**63}, "seed"),
@@ -113,15 +114,27 @@ def test_parse_reads_the_fields_and_refuses_bad_ones_naming_them():
         assert refusal(data)[0] is None and refusal(data)[1].startswith(f"the request body {message}"), refusal(data)
     assert [refusal({"messages": USER}), refusal({"model": NAME})] == [
         ("model", "model: Field required"), ("messages", "messages: Field required")]
-    for fields in (dict(logprobs=True), dict(logprobs=1), dict(logprobs=None, echo=0), dict(logit_bias={"1": 2})):
+    for fields in (dict(echo=True), dict(response_format={"type": "json_object"}), dict(logprobs=None, echo=0),
+                   dict(logit_bias={"1": 2})):
         name = next(name for name, value in fields.items() if value is not None)
         assert refusal(chat(**fields)) == (name, f"{name} is not supported by this server; leave it out")
+    for fields, param in [(dict(logprobs=1), "logprobs"), (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+                          (dict(top_logprobs=-1), "top_logprobs")]:
+        assert refusal(chat(**fields))[0] == param
+    assert refusal({"model": NAME, "prompt": "a", "logprobs": 21}, CompletionRequest)[0] == "logprobs"
+    assert refusal({"model": NAME, "prompt": "a", "logprobs": True}, CompletionRequest)[0] == "logprobs"
+    asked = [parse(chat(**fields)).logprobs_asked() for fields in (
+        {}, dict(logprobs=False), dict(logprobs=True), dict(logprobs=True, top_logprobs=3), dict(top_logprobs=0))]
+    assert asked == [None, None, 0, 3, None]
+    with pytest.raises(InvalidRequestError, match=r"^top_logprobs needs logprobs: true$"):
+        parse(chat(top_logprobs=2)).logprobs_asked()
+    assert parse({"model": NAME, "prompt": "a", "logprobs": 0}, CompletionRequest).logprobs_asked() == 0
     body = parse(chat(max_tokens=5, temperature=0.5, top_p=0.9, top_k=-1, seed=-(2**63), stop=list("abcd"),
                       stream=True, stream_options={"include_usage": True}, logprobs=False, echo=False, tools=[]))
     assert (body.model, body.max_tokens, body.temperature, body.top_p, body.top_k, body.seed, body.stream) == (
         NAME, 5, 0.5, 0.9, -1, -(2**63), True)
     assert (body.stop_strings(), body.include_usage(), body.max_new_tokens()) == (list("abcd"), True, 5)
-    body = parse(chat(stop="x y", max_tokens=5, max_completion_tokens=7, logprobs=0, best_of=1))
+    body = parse(chat(stop="x y", max_tokens=5, max_completion_tokens=7, logprobs=False, best_of=1))
     assert (body.stop_strings(), body.include_usage(), body.max_new_tokens()) == (["x y"], False, 7)
     body = parse(chat(stream_options={"include_usage": False}))
     assert (body.stop_strings(), body.include_usage(), body.max_new_tokens()) == ([], False, None)
@@ -140,14 +153,15 @@ def test_type_tags_error_body_check_model_finish_usage_and_sampling_from_the_bod
     assert [_type_tag(tag) for tag in tags] == [True] * 6 + [False] * 3
     assert error_body("m", "k", "p") == {"error": {"message": "m", "type": "k", "param": "p", "code": None}}
     serving._check_model(NAME, NAME)
-    with pytest.raises(InvalidRequestError, match=r"^model 'other' is not served here; this server serves "
-                                                  r"'tiny-llama' \(GET /v1/models\)$") as caught:
+    with pytest.raises(ModelNotFoundError, match=r"^model 'other' is not served here; this server serves "
+                                                 r"'tiny-llama' \(GET /v1/models\)$") as caught:
         serving._check_model("other", NAME)
     assert caught.value.param == "model"
     assert [serving._finish(Event("", 1, reason)) for reason in ("stop", "length")] == ["stop", "length"]
     with pytest.raises(RuntimeError, match=r"^the serving engine failed during this request: the engine stopped$"):
         serving._finish(Event("", 1, "error"))
-    assert serving._usage(4, Event("", 3)) == CompletionUsage(prompt_tokens=4, completion_tokens=3, total_tokens=7)
+    assert serving._usage(4, [Event("", 3), Event("", 2, "stop")]) == CompletionUsage(
+        prompt_tokens=4, completion_tokens=5, total_tokens=9)
 
     def sampling(config, **fields) -> SamplingSettings:
         return serving._sampling(SimpleNamespace(model=SimpleNamespace(generation_config=config)),
@@ -165,11 +179,11 @@ def test_type_tags_error_body_check_model_finish_usage_and_sampling_from_the_bod
     assert sampling(unset) == SamplingSettings(1.0, 1.0, 0, 0.0, 1.0, 0.0, 0.0, None)
 
 
-def test_events_end_at_the_last_one_or_when_the_client_goes_and_cancel_the_request(monkeypatch):
+def test_events_end_at_the_last_one_of_every_choice_or_when_the_client_goes_and_cancel_the_requests(monkeypatch):
     monkeypatch.setattr(serving, "DISCONNECT_POLL_SECONDS", 0.01)
-    engine, job = ScriptedEngine(), object()
+    engine, job, jobs = ScriptedEngine(), object(), [object(), object()]
 
-    async def run(events: list[Event], gone_after: int) -> list[Event]:
+    async def run(events: list[tuple[int, Event]], gone_after: int, choices: tuple = (job,)) -> list:
         queue, polls = asyncio.Queue(), []
         for event in events:
             queue.put_nowait(event)
@@ -177,24 +191,26 @@ def test_events_end_at_the_last_one_or_when_the_client_goes_and_cancel_the_reque
         async def is_disconnected() -> bool:
             polls.append(True)
             if len(polls) == 1:
-                queue.put_nowait(Event("late", 1, "stop"))  # (arrives after a poll that found the client there)
+                queue.put_nowait((0, Event("late", 1, "stop")))  # (arrives after a poll that found the client there)
             return len(polls) > gone_after
 
         client = SimpleNamespace(is_disconnected=is_disconnected)
-        return [event async for event in serving._events(client, engine, job, queue)]
+        return [event async for event in serving._events(client, engine, list(choices), queue)]
 
-    assert asyncio.run(run([Event("a", 1), Event("b", 2, "length"), Event("c", 3)], 0)) == [
-        Event("a", 1), Event("b", 2, "length")]
+    assert asyncio.run(run([(0, Event("a", 1)), (0, Event("b", 2, "length")), (0, Event("c", 3))], 0)) == [
+        (0, Event("a", 1)), (0, Event("b", 2, "length"))]
     assert asyncio.run(run([], 0)) == []  # (the client went: no event)
-    assert asyncio.run(run([], 1)) == [Event("late", 1, "stop")]
-    assert engine.cancelled == [job] * 3
+    assert asyncio.run(run([], 1)) == [(0, Event("late", 1, "stop"))]
+    two = [(1, Event("a", 1)), (1, Event("b", 2, "stop")), (0, Event("c", 1, "length")), (0, Event("d", 2))]
+    assert asyncio.run(run(two, 0, tuple(jobs))) == two[:3]  # (until each choice had its last event)
+    assert engine.cancelled == [job] * 3 + jobs
 
     async def left(events: list[Event]):  # a client that goes before its whole answer: nobody to answer
         async def is_disconnected() -> bool:
             return True
 
         client = SimpleNamespace(is_disconnected=is_disconnected)
-        return await serving._respond(client, ScriptedEngine(events), parse(chat()), CHAT_IDS, chat=True)
+        return await serving._respond(client, ScriptedEngine(events), parse(chat()), [CHAT_IDS], chat=True)
 
     assert [asyncio.run(left(events)).status_code for events in ([], EVENTS[:1])] == [499, 499]
     assert asyncio.run(left(EVENTS)).status_code == 200  # (finished before anyone asked)
@@ -264,11 +280,11 @@ def test_bad_requests_and_busy_failed_or_stopped_engines_get_openai_error_bodies
 
     for path, data, param, message in [
         ("/v1/chat/completions", b'{"model": ', None, "the request body is not valid JSON"),
-        ("/v1/chat/completions", chat(model="other"), "model", "model 'other' is not served here"),
         ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "the cat " * 40}]), "messages", "the "),
-        ("/v1/completions", {"model": "other", "prompt": "hi"}, "model", "model 'other'"),
         ("/v1/completions", {"model": NAME, "prompt": []}, "prompt", "the prompt has no tokens"),
-        ("/v1/completions", {"model": NAME, "prompt": ["a", "b"]}, "prompt", "one prompt per request, got 2"),
+        ("/v1/completions", {"model": NAME, "prompt": [[1], [2, VOCAB]]}, "prompt.1", "token ids must be in [0, 128)"),
+        ("/v1/completions", {"model": NAME, "prompt": [[1], []]}, "prompt.1", "the prompt has no tokens"),
+        ("/v1/chat/completions", chat(n=3), "n", "n is 3, above the 2 choices this server computes at once"),
         ("/v1/completions", {"model": NAME, "prompt": [1, VOCAB]}, "prompt", "token ids must be in [0, 128), the"),
         ("/v1/completions", {"model": NAME, "prompt": [-1]}, "prompt", "token ids must be in [0, 128), the"),
         ("/v1/completions", {"model": NAME, "prompt": [1, 2], "max_tokens": 63}, "max_tokens", "max_tokens is 63"),
@@ -286,14 +302,29 @@ def test_bad_requests_and_busy_failed_or_stopped_engines_get_openai_error_bodies
     stopped = answer({"model": NAME, "prompt": [1, 2]}, ScriptedEngine(busy=ServerBusyError("stopping")))
     assert (stopped.status_code, stopped.json(), "retry-after" in stopped.headers) == (
         503, error_body("stopping", "service_unavailable"), False)
+    starting = answer({"model": NAME, "prompt": [1, 2]}, ScriptedEngine(busy=ServerBusyError("up", starting=True)))
+    assert (starting.status_code, starting.headers["retry-after"], starting.json()) == (
+        503, str(serving.STARTING_RETRY_SECONDS), error_body("up", "service_unavailable"))
+    # A batch refused part-way (the queue filled after its first prompt): nothing of it stays queued.
+    half = ScriptedEngine(events=[], busy=ServerBusyError("full", retry_after=1))
+    half.busy_after = 1
+    assert answer({"model": NAME, "prompt": [[1], [2]]}, half).status_code == 429
+    assert len(half.jobs) == 1 and len(half.cancelled) == 2 and half.cancelled[0] is half.jobs[0][0]
+    for path, data in [("/v1/chat/completions", chat(model="other")),
+                       ("/v1/completions", {"model": "a/b", "prompt": [1]})]:
+        response = answer(data, path=path)
+        assert (response.status_code, response.json()) == (404, error_body(
+            f"model {data['model']!r} is not served here; this server serves 'tiny-llama' (GET /v1/models)",
+            "invalid_request_error", "model", "model_not_found"))
     failing = [Event("a", 1), Event("", 1, "error", "boom")]
     failed = answer(chat(), ScriptedEngine(events=failing), "/v1/chat/completions")
-    assert (failed.status_code, failed.json()) == (500, error_body(
-        "internal error: RuntimeError: the serving engine failed during this request: boom", "server_error"))
-    for path, data in [("/v1/completions", {"model": NAME, "prompt": [1]}), ("/v1/chat/completions", chat())]:
-        with pytest.raises(RuntimeError, match="during this request: boom$"):  # (it cuts the stream short)
-            call(build_app(ScriptedEngine(events=failing), NAME), "POST", path, json={**data, "stream": True},
-                 raise_app_exceptions=True)
+    message = "internal error: the serving engine failed during this request: boom"
+    assert (failed.status_code, failed.json()) == (500, error_body(message, "server_error"))
+    for path, data, kept in [("/v1/completions", {"model": NAME, "prompt": [1]}, 1),
+                             ("/v1/chat/completions", chat(), 2)]:  # (a stream cut short ends with an error event)
+        app = build_app(ScriptedEngine(events=failing), NAME)
+        chunks = sse(call(app, "POST", path, json={**data, "stream": True}))
+        assert len(chunks) == kept + 1 and chunks[-1] == error_body(message, "server_error")
 
 
 def test_answers_whole_and_streamed_over_a_scripted_engine():
@@ -334,6 +365,101 @@ def test_answers_whole_and_streamed_over_a_scripted_engine():
             usage = {"prompt_tokens": prompt, "completion_tokens": 3, "total_tokens": prompt + 3}
             assert chunks == [{**head, "choices": [choice]} for choice in choices] + [
                 {**head, "choices": [], "usage": usage}] * include_usage
+
+
+def test_choices_of_n_and_batched_prompts_whole_and_streamed_and_the_model_route(caplog):
+    """`n` choices per prompt and a batch of prompts are one engine request each: choice i * n + j is the jth
+    of prompt i, with seed + j; the usage counts each prompt once and every choice's tokens. Fields the
+    OpenAI API does not define are ignored with a warning; `ignore_eos` generates up to max_tokens."""
+    engine = ScriptedEngine()
+    app = build_app(engine, NAME)
+    with caplog.at_level("WARNING", logger="optimum_neuron_torch.serving.protocol"):
+        body = {"model": NAME, "prompt": [[1, 2], [3]], "n": 2, "seed": 2**63 - 1, "temperature": 0.5,
+                "ignore_eos": True, "vendor_x": 1}
+        data = call(app, "POST", "/v1/completions", json=body).json()
+    assert "ignored the fields the OpenAI API does not define: vendor_x" in caplog.text
+    assert [(choice["index"], choice["text"]) for choice in data["choices"]] == [(i, "he llo") for i in range(4)]
+    assert data["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15}
+    jobs = [job for job, _ in engine.jobs]
+    assert [(job.prompt, job.sampling.seed, job.eos_token_ids) for job in jobs] == [
+        ([1, 2], 2**63 - 1, set()), ([1, 2], -(2**63), set()), ([3], 2**63 - 1, set()), ([3], -(2**63), set())]
+    assert [field for _, field in engine.jobs] == ["prompt.0", "prompt.0", "prompt.1", "prompt.1"]
+    assert engine.cancelled == jobs and len({id(job) for job in jobs}) == 4
+    texts = call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": ["the cat", "a"]}).json()["choices"]
+    assert [job.prompt for job, _ in engine.jobs[-2:]] == [TOKENIZER("the cat").input_ids, TOKENIZER("a").input_ids]
+    assert [choice["index"] for choice in texts] == [0, 1] and engine.jobs[-1][0].eos_token_ids is None
+    answer = call(app, "POST", "/v1/chat/completions", json=chat(n=2)).json()
+    assert [(choice["index"], choice["message"]["content"]) for choice in answer["choices"]] == [
+        (0, "he llo"), (1, "he llo")]
+    assert answer["usage"]["completion_tokens"] == 6
+    assert [job.sampling.seed for job, _ in engine.jobs[-2:]] == [None, None]
+    chunks = sse(call(app, "POST", "/v1/chat/completions",
+                      json=chat(n=2, stream=True, stream_options={"include_usage": True})))
+    deltas = [(choice["index"], choice["delta"], choice["finish_reason"])
+              for chunk in chunks for choice in chunk["choices"]]
+    role = {"role": "assistant", "content": ""}
+    assert deltas == [(0, role, None), (1, role, None)] + [
+        (index, delta, finish) for index in (0, 1)
+        for delta, finish in [({"content": "he"}, None), ({"content": " llo"}, None), ({}, "stop")]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert [chunk["usage"] for chunk in chunks if "usage" in chunk] == [chunks[-1]["usage"]]
+    chunks = sse(call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": [[1], [2]], "stream": True}))
+    assert [(choice["index"], choice["text"]) for chunk in chunks for choice in chunk["choices"]] == [
+        (0, "he"), (0, " llo"), (1, "he"), (1, " llo")]
+    model = call(app, "GET", f"/v1/models/{NAME}").json()
+    assert (model["id"], model["object"]) == (NAME, "model")
+    missing = call(app, "GET", "/v1/models/org/other")
+    assert (missing.status_code, missing.json()["error"]["code"]) == (404, "model_not_found")
+    assert "'org/other'" in missing.json()["error"]["message"]
+
+
+def test_logprobs_of_the_events_in_the_openai_shapes_whole_and_streamed():
+    """The engine's log-probabilities of each token taken (and of the most likely ones) reach the client in the
+    chat API's shape (`logprobs.content`: token, bytes, logprob, top_logprobs) and the completions API's columns
+    (tokens, token_logprobs, top_logprobs, text_offset); the request carries how many were asked."""
+    first, second = TokenLogprob(5, -0.25, ((5, -0.25), (6, -1.5))), TokenLogprob(7, -2.0, ((8, -0.5), (7, -2.0)))
+    events = [Event("he", 1, logprobs=[first]), Event(" llo", 2, "stop", logprobs=[second])]
+    engine = ScriptedEngine(events=events)
+    app = build_app(engine, NAME)
+    text = {token: TOKENIZER.decode([token]) for token in (5, 6, 7, 8)}
+
+    def entry(token: int, logprob: float) -> dict:
+        return {"token": text[token], "bytes": list(text[token].encode()), "logprob": logprob}
+
+    content = [{**entry(item.token, item.logprob), "top_logprobs": [entry(*pair) for pair in item.top]}
+               for item in (first, second)]
+    choice = call(app, "POST", "/v1/chat/completions", json=chat(logprobs=True, top_logprobs=2)).json()["choices"][0]
+    assert choice["logprobs"] == {"content": content} and engine.jobs[-1][0].logprobs == 2
+    chunks = sse(call(app, "POST", "/v1/chat/completions", json=chat(logprobs=True, stream=True)))
+    assert [chunk["choices"][0].get("logprobs") for chunk in chunks] == [
+        None, {"content": content[:1]}, {"content": content[1:]}, None]
+    assert engine.jobs[-1][0].logprobs == 0
+    columns = {"tokens": [text[5], text[7]], "token_logprobs": [-0.25, -2.0], "text_offset": [0, len(text[5])],
+               "top_logprobs": [{text[5]: -0.25, text[6]: -1.5}, {text[8]: -0.5, text[7]: -2.0}]}
+    whole = call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": [1], "logprobs": 2}).json()
+    assert whole["choices"][0]["logprobs"] == columns
+    chunks = sse(call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": [1], "logprobs": 2,
+                                                            "stream": True}))
+    assert [chunk["choices"][0]["logprobs"] for chunk in chunks] == [
+        {name: values[:1] for name, values in columns.items()},
+        {**{name: values[1:] for name, values in columns.items()}, "text_offset": [len(text[5])]}]
+    plain = call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": [1]}).json()["choices"][0]
+    assert plain.get("logprobs") is None and engine.jobs[-1][0].logprobs is None
+
+
+def test_a_request_notes_the_logprobs_of_the_tokens_it_takes_for_its_next_event():
+    logits = torch.tensor([0.0, 2.0, 1.0, -1.0])
+    expected = logits.log_softmax(-1)
+    request = Request([1], 4, SamplingSettings(), [], lambda event: None, logprobs=2)
+    request.tokens.append(request.chosen(2, logits))
+    event = request.event("x", None)
+    assert event.logprobs == [TokenLogprob(2, pytest.approx(float(expected[2])), (
+        (1, pytest.approx(float(expected[1]))), (2, pytest.approx(float(expected[2])))))]
+    assert (event.text, event.completion_tokens) == ("x", 1) and request.event("", "stop").logprobs == []
+    assert Request([1], 4, SamplingSettings(), [], print).chosen(3, logits) == 3  # (none asked: the device's token)
+    none = Request([1], 4, SamplingSettings(), [], print, logprobs=0)
+    none.chosen(3, logits)
+    assert none.event("", None).logprobs == [TokenLogprob(3, pytest.approx(float(expected[3])))]
 
 
 @pytest.mark.parametrize("arguments, host, port, drain, key", [({}, "127.0.0.1", 8000, 120, None), (

@@ -171,8 +171,10 @@ class GenerationEngine:
         """
         request.check(self.buckets.max_length, prompt_field)
         with self._condition:
+            if not (self._stopping or self.ready.is_set() or self.failure):  # (GET /health says when it is ready)
+                raise ServerBusyError("the server is starting", starting=True)
             if self._stopping or not self.ready.is_set() or not self.alive:
-                raise ServerBusyError("the server is not taking requests now (starting, stopping or failed)")
+                raise ServerBusyError("the server is not taking requests now (stopping or failed)")
             if len(self._waiting) >= self.queue_size:
                 raise ServerBusyError(f"{len(self._waiting)} requests are waiting for one of {self.batch_size} slots, "
                                       "the most this server queues; retry shortly", retry_after=1)
@@ -281,9 +283,8 @@ class GenerationEngine:
         """Runs the engine on this thread until `stop()`: compiles (or loads) every graph (`warm_up`),
         sets `ready`, then serves the requests submitted (see the module's docstring).
 
-        The server runs it on the main thread: on the reference device, the compiled graphs' CPU
-        kernels run up to 1.7x slower on another thread (OpenMP's threads of a second team; see
-        benchmarks/RESULTS.md, "Serving")."""
+        The server runs it on the main thread: on the reference device, the compiled graphs' CPU kernels run up
+        to 1.7x slower on another thread (OpenMP's threads of a second team; benchmarks/RESULTS.md, "Serving")."""
         self._running = True
         self._finished.clear()
         try:
@@ -469,7 +470,7 @@ class GenerationEngine:
             finish = "length"
         if finish is not None and request._text is not None:
             text += request._text.finish()
-        self._emit(request, Event(text, len(request.tokens), finish))
+        self._emit(request, request.event(text, finish))
         if finish is not None:
             request.cancelled = True  # (done: it leaves its slot)
 

@@ -52,16 +52,27 @@ class SamplingSettings:
         return [*warpers, self.repetition_penalty, self.presence_penalty, self.frequency_penalty, float(taken)]
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token taken, its log-probability under the model (its raw logits, before penalties and
+    warpers, as vLLM and the OpenAI API give them), and the most likely tokens with theirs."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class Event:
     """What a request produced in one step: the text released (maybe empty), how many tokens it has
     generated so far, and, on its last event, why it finished (`stop` or `length`, as the OpenAI API
-    names them)."""
+    names them); with `Request.logprobs`, the log-probabilities of the tokens taken in the step."""
 
     text: str
     completion_tokens: int
     finish_reason: str | None = None
     error: str | None = None  # (with finish_reason "error": what failed)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(eq=False)
@@ -82,6 +93,9 @@ class Request:
             the host, given the row's float32 logits (`[vocab]`) and the request's generator (seeded
             by `sampling.seed`), for logits processors the device does not apply (a `generate()` call's,
             see `engine_calls`); `sampling` then stays greedy on the device. Default: the device's token.
+        logprobs (`int`, *optional*): each event carries the log-probability of each token taken and
+            of the `logprobs` most likely ones (computed on the host from the row's logits: a copy of
+            `[vocab]` floats per token). Default: none.
     """
 
     prompt: list[int]
@@ -91,6 +105,7 @@ class Request:
     on_event: Callable[[Event], None]
     eos_token_ids: set[int] | None = None
     choose: Callable[[torch.Tensor, torch.Generator], int] | None = field(default=None, repr=False)
+    logprobs: int | None = None
     cancelled: bool = False  # ended: done, failed, or its caller gone
     tokens: list[int] = field(default_factory=list)  # generated so far
     error: BaseException | None = field(default=None, repr=False)  # what failed it, if anything did
@@ -100,6 +115,7 @@ class Request:
     _slot: int | None = field(default=None, init=False, repr=False)
     _prefilled: int = field(default=0, init=False, repr=False)  # prompt tokens in the cache so far
     _call: list[Request] = field(default_factory=list, init=False, repr=False)  # its `generate()` call's requests
+    _logprobs: list[TokenLogprob] = field(default_factory=list, init=False, repr=False)  # (for the next event)
 
     def check(self, max_length: int, prompt_field: str = "prompt") -> None:
         """Checks the prompt and `max_tokens` against a cache of `max_length` positions per slot, and
@@ -147,8 +163,23 @@ class Request:
         return len(self.prompt) + len(self.tokens) - 1
 
     def chosen(self, token: int, logits: torch.Tensor) -> int:
-        """The next token: the device's `token`, or the choice on the host (`choose`) from `logits`."""
-        return token if self.choose is None else self.choose(logits.to("cpu", torch.float32), self._generator)
+        """The next token: the device's `token`, or the choice on the host (`choose`) from `logits`;
+        with `logprobs`, noted with its log-probability for the next `event`."""
+        if self.choose is None and self.logprobs is None:
+            return token
+        logits = logits.to("cpu", torch.float32)
+        token = token if self.choose is None else self.choose(logits, self._generator)
+        if self.logprobs is not None:
+            logprobs = logits.log_softmax(-1)
+            top = logprobs.topk(self.logprobs) if self.logprobs else None
+            self._logprobs.append(TokenLogprob(token, float(logprobs[token]), () if top is None else tuple(
+                zip(top.indices.tolist(), top.values.tolist(), strict=True))))
+        return token
+
+    def event(self, text: str, finish_reason: str | None) -> Event:
+        """The event of the step that took its last token (with the log-probabilities noted since the last)."""
+        logprobs, self._logprobs = (self._logprobs, []) if self.logprobs is not None else (None, self._logprobs)
+        return Event(text, len(self.tokens), finish_reason, logprobs=logprobs)
 
     def next_uniform(self) -> float:
         """The next uniform number (its own generator: the same tokens whatever runs beside it)."""

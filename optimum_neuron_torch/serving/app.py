@@ -1,43 +1,55 @@
 """The HTTP side of the server: FastAPI routes speaking the OpenAI API over a `GenerationEngine`.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (streamed as server-sent events
-ending with `data: [DONE]`, or whole), `GET /v1/models`, `GET /health` (503 until every graph is
-compiled; then 200, counting the graphs not loaded yet). With an API key, every route but `/health`
-wants `Authorization: Bearer <key>`.
+ending with `data: [DONE]`, or whole), `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (503
+until every graph is compiled; then 200, counting the graphs not loaded yet). With an API key, every
+route but `/health` wants `Authorization: Bearer <key>`.
 Request bodies above `max_body_bytes` are refused (413) before they are read whole.
 
-Each request goes to the engine's thread through `Request.on_event`, which hands its events to the
-request's asyncio queue (`call_soon_threadsafe`); a client that goes away cancels its request,
-which leaves its slot before the next decode step.
+An HTTP request is one engine request per choice: `n` per prompt, and a completion may batch
+prompts (choice `i * n + j` is the `j`th of prompt `i`, as in the OpenAI API); with a `seed`, choice
+`j` samples with `seed + j`. Each engine request goes to the engine's thread through
+`Request.on_event`, which hands its events to the HTTP request's asyncio queue
+(`call_soon_threadsafe`); a client that goes away cancels its requests, which leave their slots
+before the next decode step. A request that fails in the engine ends its answer with an error
+(a 500, or a last `data: {"error": ...}` event of its stream); the server goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import hmac
+import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from openai.types import Completion, CompletionChoice, CompletionUsage, Model
-from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage, ChatCompletionTokenLogprob
 from openai.types.chat.chat_completion import Choice as ChatChoice
+from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkLogprobs
+from openai.types.chat.chat_completion_token_logprob import TopLogprob
+from openai.types.completion_choice import Logprobs
 from starlette.exceptions import HTTPException
 
-from ..errors import InvalidRequestError, ServerBusyError
+from ..errors import InvalidRequestError, ModelNotFoundError, ServerBusyError
 from ..generation.engine import GenerationEngine
-from ..generation.requests import Event, SamplingSettings
+from ..generation.requests import Event, SamplingSettings, TokenLogprob
 from ..generation.requests import Request as EngineRequest
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body, parse
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DISCONNECT_POLL_SECONDS = 0.5  # how often a request waiting for its tokens checks that its client is still there
+STARTING_RETRY_SECONDS = 5  # the Retry-After of a 503 while the graphs compile or load
 
 
 def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None = None,
@@ -82,8 +94,16 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
     async def invalid_request(request: Request, error: InvalidRequestError) -> JSONResponse:
         return JSONResponse(error_body(str(error), "invalid_request_error", error.param), status_code=400)
 
+    @app.exception_handler(ModelNotFoundError)
+    async def model_not_found(request: Request, error: ModelNotFoundError) -> JSONResponse:
+        return JSONResponse(error_body(str(error), "invalid_request_error", error.param, "model_not_found"),
+                            status_code=404)
+
     @app.exception_handler(ServerBusyError)
     async def busy(request: Request, error: ServerBusyError) -> JSONResponse:
+        if error.starting:
+            return JSONResponse(error_body(str(error), "service_unavailable"), status_code=503,
+                                headers={"Retry-After": str(STARTING_RETRY_SECONDS)})
         if error.retry_after is None:
             return JSONResponse(error_body(str(error), "service_unavailable"), status_code=503)
         return JSONResponse(error_body(str(error), "rate_limit_exceeded"), status_code=429,
@@ -93,6 +113,10 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         return JSONResponse(error_body(str(error.detail), "invalid_request_error"), status_code=error.status_code,
                             headers=error.headers)
+
+    @app.exception_handler(_RequestFailed)
+    async def request_failed(request: Request, error: _RequestFailed) -> JSONResponse:
+        return JSONResponse(error_body(f"internal error: {error}", "server_error"), status_code=500)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception) -> JSONResponse:
@@ -108,23 +132,28 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
         status = "failed" if engine.failure is not None else "stopped" if engine.ready.is_set() else "loading"
         return JSONResponse({"status": status}, status_code=503)
 
+    served = Model(id=model_name, created=created, object="model", owned_by="optimum-neuron-torch")
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        model = Model(id=model_name, created=created, object="model", owned_by="optimum-neuron-torch")
-        return {"object": "list", "data": [model.model_dump(mode="json")]}
+        return {"object": "list", "data": [served.model_dump(mode="json")]}
+
+    @app.get("/v1/models/{name:path}")  # (a path: model names hold slashes, as Hub ids do)
+    async def model(name: str) -> dict[str, Any]:
+        _check_model(name, model_name)
+        return served.model_dump(mode="json")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         body = parse(await _read_body(request, max_body_bytes), ChatCompletionRequest)
         _check_model(body.model, model_name)
-        prompt = _chat_prompt(engine, body)
-        return await _respond(request, engine, body, prompt, chat=True)
+        return await _respond(request, engine, body, [_chat_prompt(engine, body)], chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = parse(await _read_body(request, max_body_bytes), CompletionRequest)
         _check_model(body.model, model_name)
-        return await _respond(request, engine, body, _completion_prompt(engine, body), chat=False)
+        return await _respond(request, engine, body, _completion_prompts(engine, body), chat=False)
 
     return app
 
@@ -145,8 +174,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 def _check_model(name: str, served: str) -> None:
     if name != served:
-        raise InvalidRequestError(f"model {name!r} is not served here; this server serves {served!r} "
-                                  "(GET /v1/models)", "model")
+        raise ModelNotFoundError(f"model {name!r} is not served here; this server serves {served!r} (GET /v1/models)")
 
 
 def _chat_prompt(engine: GenerationEngine, body: ChatCompletionRequest) -> list[int]:
@@ -158,18 +186,22 @@ def _chat_prompt(engine: GenerationEngine, body: ChatCompletionRequest) -> list[
     return list(encoding["input_ids"])
 
 
-def _completion_prompt(engine: GenerationEngine, body: CompletionRequest) -> list[int]:
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        if len(prompt) != 1:
-            raise InvalidRequestError(f"one prompt per request, got {len(prompt)}", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return list(engine.tokenizer(prompt).input_ids)
+def _completion_prompts(engine: GenerationEngine, body: CompletionRequest) -> list[list[int]]:
+    """The token ids of each prompt of the request: one text or list of token ids, or a batch of them."""
+    prompts = body.prompt
+    if not isinstance(prompts, list) or not prompts or not isinstance(prompts[0], (str, list)):
+        prompts = [prompts]
     vocab = engine.model.get_input_embeddings().num_embeddings
-    if any(not 0 <= token < vocab for token in prompt):
-        raise InvalidRequestError(f"token ids must be in [0, {vocab}), the model's vocabulary", "prompt")
-    return list(prompt)
+    found = []
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            found.append(list(engine.tokenizer(prompt).input_ids))
+            continue
+        if any(not 0 <= token < vocab for token in prompt):
+            field = "prompt" if len(prompts) == 1 else f"prompt.{index}"
+            raise InvalidRequestError(f"token ids must be in [0, {vocab}), the model's vocabulary", field)
+        found.append(list(prompt))
+    return found
 
 
 def _sampling(engine: GenerationEngine, body: ChatCompletionRequest | CompletionRequest) -> SamplingSettings:
@@ -194,105 +226,193 @@ def _sampling(engine: GenerationEngine, body: ChatCompletionRequest | Completion
 
 
 async def _respond(request: Request, engine: GenerationEngine, body: ChatCompletionRequest | CompletionRequest,
-                   prompt: list[int], chat: bool) -> Any:
-    """Submits the request to the engine and answers: streamed, or whole once it finishes."""
+                   prompts: list[list[int]], chat: bool) -> Any:
+    """Submits a request per choice to the engine and answers: streamed, or whole once they finish."""
+    n = body.n or 1
+    if n > engine.batch_size:
+        raise InvalidRequestError(f"n is {n}, above the {engine.batch_size} choices this server computes at once "
+                                  "(its --batch-size)", "n")
     loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Event] = asyncio.Queue()
-    job = EngineRequest(prompt, body.max_new_tokens(), _sampling(engine, body), body.stop_strings(),
-                        lambda event: loop.call_soon_threadsafe(queue.put_nowait, event))
-    engine.submit(job, prompt_field="messages" if chat else "prompt")
+    queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+    sampling, eos, logprobs = _sampling(engine, body), set() if body.ignore_eos else None, body.logprobs_asked()
+    jobs = []
+    for index in range(len(prompts) * n):
+        seed = sampling.seed if sampling.seed is None else (sampling.seed + index % n + 2**63) % 2**64 - 2**63
+        jobs.append(EngineRequest(prompts[index // n], body.max_new_tokens(), dataclasses.replace(sampling, seed=seed),
+                                  body.stop_strings(), functools.partial(_put, loop, queue, index), eos,
+                                  logprobs=logprobs))
+    try:
+        for index, job in enumerate(jobs):
+            field = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt.{index // n}"
+            engine.submit(job, prompt_field=field)
+    except BaseException:  # (nothing of a request half submitted stays)
+        for job in jobs:
+            engine.cancel(job)
+        raise
     identity = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    events = _events(request, engine, job, queue)
+    events = _events(request, engine, jobs, queue)
+    prompt_tokens = sum(map(len, prompts))
+    decode = functools.partial(_token_text, engine.tokenizer)
     if body.stream:
         chunks = _chat_chunks if chat else _completion_chunks
-        return StreamingResponse(_sse(chunks(events, identity, created, body.model, len(prompt),
-                                             body.include_usage())),
+        return StreamingResponse(_sse(chunks(events, len(jobs), identity, created, body.model, prompt_tokens,
+                                             body.include_usage(), decode)),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    text, last = [], None
-    async for event in events:
-        text.append(event.text)
-        last = event
-    if last is None or last.finish_reason is None:  # the client went away: nobody to answer (nginx's 499)
-        return Response(status_code=499)
-    finish, usage = _finish(last), _usage(len(prompt), last)
-    if chat:
-        message = ChatCompletionMessage(role="assistant", content="".join(text))
+    texts, last, tokens = [[] for _ in jobs], [None] * len(jobs), [[] for _ in jobs]
+    async for index, event in events:
+        texts[index].append(event.text)
+        tokens[index] += event.logprobs or []
+        last[index] = event
+    if any(event is None or event.finish_reason is None for event in last):  # the client went away: nobody to answer
+        return Response(status_code=499)  # (nginx's 499)
+    usage = _usage(prompt_tokens, last)
+    answers = [("".join(text), _finish(event), taken if logprobs is not None else None)
+               for text, event, taken in zip(texts, last, tokens, strict=True)]
+    if chat:  # (`logprobs` left unset unless asked)
+        choices = [ChatChoice(index=index, message=ChatCompletionMessage(role="assistant", content=text),
+                              finish_reason=finish, **_given(logprobs=_chat_logprobs(ChoiceLogprobs, taken, decode)))
+                   for index, (text, finish, taken) in enumerate(answers)]
         response = ChatCompletion(id=identity, created=created, model=body.model, object="chat.completion",
-                                  choices=[ChatChoice(index=0, message=message, finish_reason=finish)], usage=usage)
+                                  choices=choices, usage=usage)
     else:
-        choice = CompletionChoice(index=0, text="".join(text), finish_reason=finish)
+        choices = [CompletionChoice(index=index, text=text, finish_reason=finish,
+                                    **_given(logprobs=_completion_logprobs(taken, 0, decode)))
+                   for index, (text, finish, taken) in enumerate(answers)]
         response = Completion(id=identity, created=created, model=body.model, object="text_completion",
-                              choices=[choice], usage=usage)
+                              choices=choices, usage=usage)
     return JSONResponse(response.model_dump(mode="json", exclude_unset=True))
 
 
-async def _events(request: Request, engine: GenerationEngine, job: EngineRequest,
-                  queue: asyncio.Queue[Event]) -> AsyncIterator[Event]:
-    """The request's events until its last; if its client goes away (or the response is
-    abandoned), the request is cancelled."""
+def _put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[tuple[int, Event]], index: int, event: Event) -> None:
+    """A choice's event, handed from the engine's thread to the HTTP request's queue."""
+    loop.call_soon_threadsafe(queue.put_nowait, (index, event))
+
+
+async def _events(request: Request, engine: GenerationEngine, jobs: list[EngineRequest],
+                  queue: asyncio.Queue[tuple[int, Event]]) -> AsyncIterator[tuple[int, Event]]:
+    """The (choice, event) pairs of the request's jobs until each has had its last; if the client goes
+    away (or the response is abandoned), every job is cancelled."""
+    running = len(jobs)
     try:
-        while True:
+        while running:
             try:
-                event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_SECONDS)
+                index, event = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_SECONDS)
             except asyncio.TimeoutError:  # (the builtin TimeoutError from Python 3.11 on, not before)
                 if await request.is_disconnected():
                     return
                 continue
-            yield event
-            if event.finish_reason is not None:
-                return
+            yield index, event
+            running -= event.finish_reason is not None
     finally:
-        engine.cancel(job)
+        for job in jobs:
+            engine.cancel(job)
 
 
-async def _chat_chunks(events: AsyncIterator[Event], identity: str, created: int, model: str, prompt_tokens: int,
-                       include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
-    def chunk(delta: ChoiceDelta | None, finish: str | None = None,
-              usage: CompletionUsage | None = None) -> ChatCompletionChunk:
-        choices = [] if delta is None else [ChunkChoice(index=0, delta=delta, finish_reason=finish)]
+async def _chat_chunks(events: AsyncIterator[tuple[int, Event]], choices: int, identity: str, created: int,
+                       model: str, prompt_tokens: int, include_usage: bool,
+                       decode: Callable[[int], str]) -> AsyncIterator[ChatCompletionChunk]:
+    def chunk(index: int | None, delta: ChoiceDelta | None = None, finish: str | None = None,
+              usage: CompletionUsage | None = None, logprobs: list[TokenLogprob] | None = None) -> ChatCompletionChunk:
+        found = _chat_logprobs(ChunkLogprobs, logprobs, decode) if logprobs else None
+        choices = [] if index is None else [ChunkChoice(index=index, delta=delta, finish_reason=finish,
+                                                        **_given(logprobs=found))]
         return ChatCompletionChunk(id=identity, created=created, model=model, object="chat.completion.chunk",
                                    choices=choices, **({"usage": usage} if usage else {}))
 
-    yield chunk(ChoiceDelta(role="assistant", content=""))
-    async for event in events:
-        if event.text:
-            yield chunk(ChoiceDelta(content=event.text))
+    for index in range(choices):
+        yield chunk(index, ChoiceDelta(role="assistant", content=""))
+    last = [None] * choices
+    async for index, event in events:
+        if event.text or event.logprobs:
+            yield chunk(index, ChoiceDelta(content=event.text), logprobs=event.logprobs)
         if event.finish_reason is not None:
-            yield chunk(ChoiceDelta(), _finish(event))
-            if include_usage:
-                yield chunk(None, usage=_usage(prompt_tokens, event))
+            yield chunk(index, ChoiceDelta(), _finish(event))
+            last[index] = event
+    if include_usage and all(last):
+        yield chunk(None, usage=_usage(prompt_tokens, last))
 
 
-async def _completion_chunks(events: AsyncIterator[Event], identity: str, created: int, model: str,
-                             prompt_tokens: int, include_usage: bool) -> AsyncIterator[Completion]:
-    def chunk(text: str | None, finish: str | None = None, usage: CompletionUsage | None = None) -> Completion:
+async def _completion_chunks(events: AsyncIterator[tuple[int, Event]], choices: int, identity: str, created: int,
+                             model: str, prompt_tokens: int, include_usage: bool,
+                             decode: Callable[[int], str]) -> AsyncIterator[Completion]:
+    def chunk(index: int | None, text: str = "", finish: str | None = None, usage: CompletionUsage | None = None,
+              logprobs: Logprobs | None = None) -> Completion:
         # (`model_construct`: the `openai` type wants a finish reason, which a chunk before the last has not)
-        choices = [] if text is None else [CompletionChoice.model_construct(index=0, text=text, logprobs=None,
-                                                                            finish_reason=finish)]
+        choices = [] if index is None else [CompletionChoice.model_construct(index=index, text=text, logprobs=logprobs,
+                                                                              finish_reason=finish)]
         return Completion(id=identity, created=created, model=model, object="text_completion", choices=choices,
                           **({"usage": usage} if usage else {}))
 
-    async for event in events:
-        if event.text or event.finish_reason is not None:
-            yield chunk(event.text, event.finish_reason and _finish(event))
-        if event.finish_reason is not None and include_usage:
-            yield chunk(None, usage=_usage(prompt_tokens, event))
+    last, offsets = [None] * choices, [0] * choices
+    async for index, event in events:
+        if event.text or event.finish_reason is not None or event.logprobs:
+            logprobs = _completion_logprobs(event.logprobs, offsets[index], decode)
+            yield chunk(index, event.text, event.finish_reason and _finish(event), logprobs=logprobs)
+            offsets[index] += sum(map(len, logprobs.tokens)) if logprobs else 0
+        if event.finish_reason is not None:
+            last[index] = event
+    if include_usage and all(last):
+        yield chunk(None, usage=_usage(prompt_tokens, last))
+
+
+def _given(**fields: Any) -> dict[str, Any]:
+    """The fields whose value is not None (the others stay unset in the answer, as before they existed)."""
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def _token_text(tokenizer: Any, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def _chat_logprobs(kind: type[ChoiceLogprobs | ChunkLogprobs], taken: list[TokenLogprob] | None,
+                   decode: Callable[[int], str]) -> ChoiceLogprobs | ChunkLogprobs | None:
+    """A chat choice's `logprobs`: each token's text, bytes and log-probability, with the most likely ones."""
+    if taken is None:
+        return None
+
+    def entry(token: int) -> dict[str, Any]:
+        text = decode(token)
+        return {"token": text, "bytes": list(text.encode())}
+
+    return kind(content=[ChatCompletionTokenLogprob(**entry(item.token), logprob=item.logprob, top_logprobs=[
+        TopLogprob(**entry(token), logprob=logprob) for token, logprob in item.top]) for item in taken])
+
+
+def _completion_logprobs(taken: list[TokenLogprob] | None, offset: int, decode: Callable[[int], str]
+                         ) -> Logprobs | None:
+    """A completion choice's `logprobs` (the legacy API's columns); `offset`: the text's length before."""
+    if taken is None:
+        return None
+    tokens = [decode(item.token) for item in taken]
+    offsets = [offset + sum(map(len, tokens[:position])) for position in range(len(tokens))]
+    return Logprobs(tokens=tokens, token_logprobs=[item.logprob for item in taken], text_offset=offsets,
+                    top_logprobs=[{decode(token): logprob for token, logprob in item.top} for item in taken])
+
+
+class _RequestFailed(RuntimeError):
+    """The engine failed one of the request's choices (its last event says why)."""
 
 
 def _finish(event: Event) -> str:
     if event.finish_reason == "error":
-        raise RuntimeError(f"the serving engine failed during this request: {event.error or 'the engine stopped'}")
+        raise _RequestFailed(f"the serving engine failed during this request: {event.error or 'the engine stopped'}")
     return event.finish_reason
 
 
-def _usage(prompt_tokens: int, event: Event) -> CompletionUsage:
-    return CompletionUsage(prompt_tokens=prompt_tokens, completion_tokens=event.completion_tokens,
-                           total_tokens=prompt_tokens + event.completion_tokens)
+def _usage(prompt_tokens: int, last: list[Event]) -> CompletionUsage:
+    """The usage of a request: its prompts' tokens (once each, whatever `n`), every choice's tokens."""
+    completion_tokens = sum(event.completion_tokens for event in last)
+    return CompletionUsage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                           total_tokens=prompt_tokens + completion_tokens)
 
 
 async def _sse(chunks: AsyncIterator[ChatCompletionChunk | Completion]) -> AsyncIterator[str]:
-    """Server-sent events: one `data:` line per chunk, then `data: [DONE]`."""
-    async for chunk in chunks:
-        yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+    """Server-sent events: one `data:` line per chunk, then `data: [DONE]`; a request the engine failed
+    part-way ends with an error event (the OpenAI error body), as vLLM's streams do."""
+    try:
+        async for chunk in chunks:
+            yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+    except _RequestFailed as error:
+        yield f"data: {json.dumps(error_body(f'internal error: {error}', 'server_error'))}\n\n"
     yield "data: [DONE]\n\n"

@@ -5,24 +5,28 @@ Responses are the `openai` package's own types (`ChatCompletion`, `ChatCompletio
 string where a number goes is refused, not converted), and every refusal names its field, as the
 OpenAI API's error body does (`{"error": {"message", "type", "param", "code"}}`). Fields of the API
 this server does not implement are refused when given a value other than their default, never
-silently ignored.
+silently ignored; fields the API does not define are ignored with a logged warning, as vLLM does
+(clients send other servers' extensions), but for the extensions taken here (`top_k`, `min_p`,
+`repetition_penalty`, `ignore_eos`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import InvalidRequestError
 
+logger = logging.getLogger(__name__)
+
 MAX_STOP_STRINGS = 4  # as the OpenAI API
 
 # Fields of the API the server does not implement, with the value that means "not used".
+MAX_LOGPROBS = 20  # the most likely tokens a request may ask the log-probabilities of (as OpenAI's chat API)
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -62,13 +66,14 @@ class _GenerationRequest(_Strict):
     top_p: float | None = Field(default=None, gt=0, le=1)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    # (beyond the OpenAI API, as vLLM takes them: -1 or 0 is every token for top_k)
-    top_k: int | None = Field(default=None, ge=-1)
+    # (beyond the OpenAI API, as vLLM takes them: -1 or 0 is every token for top_k; ignore_eos: up to max_tokens)
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    ignore_eos: bool = False
     seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # (a 64-bit integer, as vLLM takes)
     stop: str | list[str] | None = None
-    n: int | None = Field(default=None, ge=1, le=1)  # (one choice per request)
+    n: int | None = Field(default=None, ge=1, le=2**31 - 1)  # (choices per prompt: at most the slots, see `app`)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -86,17 +91,32 @@ class _GenerationRequest(_Strict):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def logprobs_asked(self) -> int | None:
+        """How many of the most likely tokens each token's log-probabilities come with, or None (none asked)."""
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise InvalidRequestError("top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str] | list[int]
+    # One prompt (text or token ids) or a batch of them (texts, or lists of token ids: lm-eval sends those).
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def max_new_tokens(self) -> int | None:
         # (the OpenAI API's default for completions is 16 tokens)
         return 16 if self.max_tokens is None else self.max_tokens
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 def parse(body: bytes, request_type: type[_GenerationRequest]) -> _GenerationRequest:
@@ -116,11 +136,14 @@ def parse(body: bytes, request_type: type[_GenerationRequest]) -> _GenerationReq
         if name in data and not any(data[name] == value and type(data[name]) is type(value) for value in unused):
             raise InvalidRequestError(f"{name} is not supported by this server; leave it out", name)
     try:
-        return request_type.model_validate(data)
+        request = request_type.model_validate(data)
     except ValidationError as error:
         first = error.errors()[0]
         field = ".".join(str(part) for part in first["loc"] if not _type_tag(part)) or None
         raise InvalidRequestError(f"{field}: {first['msg']}" if field else first["msg"], field) from None
+    if request.model_extra:
+        logger.warning("ignored the fields the OpenAI API does not define: %s", ", ".join(sorted(request.model_extra)))
+    return request
 
 
 def _type_tag(part: int | str) -> bool:
@@ -129,6 +152,6 @@ def _type_tag(part: int | str) -> bool:
     return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
 
 
-def error_body(message: str, kind: str, param: str | None = None) -> dict[str, Any]:
-    """An error as the OpenAI API gives it (no `code`: the `type` and `param` say it)."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """An error as the OpenAI API gives it (`code` where the API gives one: `model_not_found`)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
