@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 
 import pytest
 import torch
@@ -183,7 +184,7 @@ def test_check_names_the_processors_the_host_runs_and_counts_their_tokens(llama)
     assert not ont.check(model, compile=False).host_processors[0].startswith("the generation config")
 
 
-def test_threads_mixing_host_and_device_choices_share_steps_and_get_what_each_gets_alone(llama):
+def test_threads_mixing_host_and_device_choices_share_steps_and_get_what_each_gets_alone(llama, monkeypatch):
     """Three threads at once, a prompt each: plain greedy search (chosen on the device), a caller's
     processor that fails at its third token, and `no_repeat_ngram_size` (both on the host): their rows
     share decode steps; the failing call raises its own error, the others get the CPU's tokens, on the
@@ -201,6 +202,19 @@ def test_threads_mixing_host_and_device_choices_share_steps_and_get_what_each_ge
         model.generate(prompts[index], max_new_tokens=10, do_sample=False, **settings[index])
     alone, steps = engine.steps - steps, engine.steps
     start, answers = threading.Barrier(3), {}
+    # The first turn waits until the three calls are queued: a thread that reached the barrier first could
+    # otherwise run its whole call before the others are scheduled (seen on a loaded 2-core machine: no
+    # step shared), which tests the scheduler of the machine, not the engine's.
+    turn, queued = engine._turn, threading.Event()
+
+    def first_turn_waits_for_every_call(wait: bool = True) -> bool:
+        deadline = time.monotonic() + 60
+        while not queued.is_set() and engine.waiting < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        queued.set()
+        return turn(wait)
+
+    monkeypatch.setattr(engine, "_turn", first_turn_waits_for_every_call)
 
     def call(index: int) -> None:
         start.wait()
