@@ -511,6 +511,9 @@ def test_api_key_body_limit_health_and_models(server, folder, tokenizer):
             key = {"Authorization": "Bearer secret"}
             models = (await http.get("/v1/models", headers=key)).json()
             assert [model["id"] for model in models["data"]] == [NAME] and models["object"] == "list"
+            assert (await http.get(f"/v1/models/{NAME}", headers=key)).json()["id"] == NAME
+            metrics = (await http.get("/metrics", headers=key)).text
+            assert "optimum_neuron_torch:kv_cache_usage_perc " in metrics
             large = {"model": NAME, "prompt": "x" * 2000}
             response = await http.post("/v1/completions", json=large, headers=key)
             assert response.status_code == 413 and "1000 bytes" in response.json()["error"]["message"]

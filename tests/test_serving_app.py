@@ -31,6 +31,7 @@ from optimum_neuron_torch.generation.engine import GenerationEngine
 from optimum_neuron_torch.generation.requests import Event, Request, SamplingSettings, TokenLogprob
 from optimum_neuron_torch.serving import app as serving
 from optimum_neuron_torch.serving.app import build_app
+from optimum_neuron_torch.serving.metrics import ServerMetrics
 from optimum_neuron_torch.serving.protocol import ChatCompletionRequest, CompletionRequest, _type_tag, error_body
 from optimum_neuron_torch.serving.server import run_server
 from optimum_neuron_torch.settings import COMPILE_CACHE_ENV
@@ -210,7 +211,8 @@ def test_events_end_at_the_last_one_of_every_choice_or_when_the_client_goes_and_
             return True
 
         client = SimpleNamespace(is_disconnected=is_disconnected)
-        return await serving._respond(client, ScriptedEngine(events), parse(chat()), [CHAT_IDS], chat=True)
+        engine = ScriptedEngine(events)
+        return await serving._respond(client, engine, ServerMetrics(engine), parse(chat()), [CHAT_IDS], chat=True)
 
     assert [asyncio.run(left(events)).status_code for events in ([], EVENTS[:1])] == [499, 499]
     assert asyncio.run(left(EVENTS)).status_code == 200  # (finished before anyone asked)
@@ -460,6 +462,41 @@ def test_a_request_notes_the_logprobs_of_the_tokens_it_takes_for_its_next_event(
     none = Request([1], 4, SamplingSettings(), [], print, logprobs=0)
     none.chosen(3, logits)
     assert none.event("", None).logprobs == [TokenLogprob(3, pytest.approx(float(expected[3])))]
+
+
+def test_metrics_count_the_requests_tokens_and_latencies_and_read_the_engine_when_scraped():
+    """`GET /metrics` (Prometheus' text format, vLLM's names under the library's prefix): requests by finish
+    reason, prompt tokens (once per prompt, whatever `n`; none for a refused request), generated tokens, one
+    first-token and end-to-end latency per choice, an inter-token latency per later token; and, read when
+    scraped, the engine's running and waiting requests, KV-cache slots in use, graphs not loaded, memory."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine = ScriptedEngine()
+    app = build_app(engine, NAME, api_key="k")
+    key = {"Authorization": "Bearer k"}
+
+    def scraped() -> dict:
+        response = call(app, "GET", "/metrics", headers=key)
+        assert response.headers["content-type"].startswith("text/plain")
+        return {(sample.name.removeprefix("optimum_neuron_torch:"), tuple(sorted(sample.labels.items()))): sample.value
+                for family in text_string_to_metric_families(response.text) for sample in family.samples}
+
+    assert call(app, "GET", "/metrics").status_code == 401  # (the key, as every route but /health)
+    empty = scraped()
+    assert empty[("num_requests_running", ())] == 1 and empty[("num_requests_waiting", ())] == 2
+    assert (empty[("kv_cache_usage_perc", ())], empty[("graphs_unloaded", ())]) == (0.5, 3)
+    assert empty[("device_memory_bytes", ())] == 123 and empty[("generation_tokens_total", ())] == 0
+    assert ("graphs_compiled", ()) in empty and ("graphs_loaded", ()) in empty
+    call(app, "POST", "/v1/chat/completions", json=chat(n=2), headers=key)
+    call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": [1, 2, 3]}, headers=key)
+    call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": [1], "max_tokens": 99}, headers=key)  # (400)
+    found = scraped()
+    assert found[("request_success_total", (("finished_reason", "stop"),))] == 3
+    assert found[("prompt_tokens_total", ())] == len(CHAT_IDS) + 3
+    assert found[("generation_tokens_total", ())] == 9
+    assert found[("time_to_first_token_seconds_count", ())] == 3
+    assert found[("e2e_request_latency_seconds_count", ())] == 3
+    assert found[("inter_token_latency_seconds_count", ())] == 6  # (tokens 2 and 3 of each choice)
 
 
 @pytest.mark.parametrize("arguments, host, port, drain, key", [({}, "127.0.0.1", 8000, 120, None), (

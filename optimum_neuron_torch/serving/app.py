@@ -2,8 +2,9 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (streamed as server-sent events
 ending with `data: [DONE]`, or whole), `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (503
-until every graph is compiled; then 200, counting the graphs not loaded yet). With an API key, every
-route but `/health` wants `Authorization: Bearer <key>`.
+until every graph is compiled; then 200, counting the graphs not loaded yet), `GET /metrics`
+(Prometheus, see `metrics`). With an API key, every route but `/health` wants
+`Authorization: Bearer <key>`.
 Request bodies above `max_body_bytes` are refused (413) before they are read whole.
 
 An HTTP request is one engine request per choice: `n` per prompt, and a completion may batch
@@ -45,6 +46,7 @@ from ..errors import InvalidRequestError, ModelNotFoundError, ServerBusyError
 from ..generation.engine import GenerationEngine
 from ..generation.requests import Event, SamplingSettings, TokenLogprob
 from ..generation.requests import Request as EngineRequest
+from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body, parse
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -89,6 +91,7 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
     app = FastAPI(title="optimum-neuron-torch", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
                   dependencies=[Depends(authorize)])
     created = int(time.time())
+    metrics = ServerMetrics(engine)
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(request: Request, error: InvalidRequestError) -> JSONResponse:
@@ -132,6 +135,10 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
         status = "failed" if engine.failure is not None else "stopped" if engine.ready.is_set() else "loading"
         return JSONResponse({"status": status}, status_code=503)
 
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
     served = Model(id=model_name, created=created, object="model", owned_by="optimum-neuron-torch")
 
     @app.get("/v1/models")
@@ -147,13 +154,13 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
     async def chat_completions(request: Request) -> Any:
         body = parse(await _read_body(request, max_body_bytes), ChatCompletionRequest)
         _check_model(body.model, model_name)
-        return await _respond(request, engine, body, [_chat_prompt(engine, body)], chat=True)
+        return await _respond(request, engine, metrics, body, [_chat_prompt(engine, body)], chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = parse(await _read_body(request, max_body_bytes), CompletionRequest)
         _check_model(body.model, model_name)
-        return await _respond(request, engine, body, _completion_prompts(engine, body), chat=False)
+        return await _respond(request, engine, metrics, body, _completion_prompts(engine, body), chat=False)
 
     return app
 
@@ -225,8 +232,8 @@ def _sampling(engine: GenerationEngine, body: ChatCompletionRequest | Completion
         seed=body.seed)
 
 
-async def _respond(request: Request, engine: GenerationEngine, body: ChatCompletionRequest | CompletionRequest,
-                   prompts: list[list[int]], chat: bool) -> Any:
+async def _respond(request: Request, engine: GenerationEngine, metrics: ServerMetrics,
+                   body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], chat: bool) -> Any:
     """Submits a request per choice to the engine and answers: streamed, or whole once they finish."""
     n = body.n or 1
     if n > engine.batch_size:
@@ -238,9 +245,10 @@ async def _respond(request: Request, engine: GenerationEngine, body: ChatComplet
     jobs = []
     for index in range(len(prompts) * n):
         seed = sampling.seed if sampling.seed is None else (sampling.seed + index % n + 2**63) % 2**64 - 2**63
-        jobs.append(EngineRequest(prompts[index // n], body.max_new_tokens(), dataclasses.replace(sampling, seed=seed),
-                                  body.stop_strings(), functools.partial(_put, loop, queue, index), eos,
-                                  logprobs=logprobs))
+        prompt = prompts[index // n]
+        on_event = metrics.track(0 if index % n else len(prompt), functools.partial(_put, loop, queue, index))
+        jobs.append(EngineRequest(prompt, body.max_new_tokens(), dataclasses.replace(sampling, seed=seed),
+                                  body.stop_strings(), on_event, eos, logprobs=logprobs))
     try:
         for index, job in enumerate(jobs):
             field = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt.{index // n}"
