@@ -178,8 +178,8 @@ class Request:
 
     def event(self, text: str, finish_reason: str | None) -> Event:
         """The event of the step that took its last token (with the log-probabilities noted since the last)."""
-        logprobs, self._logprobs = (self._logprobs, []) if self.logprobs is not None else (None, self._logprobs)
-        return Event(text, len(self.tokens), finish_reason, logprobs=logprobs)
+        logprobs, self._logprobs = self._logprobs, []
+        return Event(text, len(self.tokens), finish_reason, logprobs=None if self.logprobs is None else logprobs)
 
     def next_uniform(self) -> float:
         """The next uniform number (its own generator: the same tokens whatever runs beside it)."""

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import hmac
+import itertools
 import json
 import time
 import uuid
@@ -393,7 +394,7 @@ def _completion_logprobs(taken: list[TokenLogprob] | None, offset: int, decode: 
     if taken is None:
         return None
     tokens = [decode(item.token) for item in taken]
-    offsets = [offset + sum(map(len, tokens[:position])) for position in range(len(tokens))]
+    offsets = list(itertools.accumulate(map(len, tokens), initial=offset))[:len(tokens)]
     return Logprobs(tokens=tokens, token_logprobs=[item.logprob for item in taken], text_offset=offsets,
                     top_logprobs=[{decode(token): logprob for token, logprob in item.top} for item in taken])
 
