@@ -64,7 +64,8 @@ def server(folder, tokenizer):
     """The server on a free port of localhost, in this process (on a thread), so that tests can
     look at its engine: (engine, base URL)."""
     model = ont.NeuronAutoModelForCausalLM.from_pretrained(folder)
-    engine = GenerationEngine(model, Buckets.for_slots(model.config, SLOTS, MAX_LENGTH, PROMPT_BUCKETS), tokenizer)
+    engine = GenerationEngine(model, Buckets.for_slots(model.config, SLOTS, MAX_LENGTH, PROMPT_BUCKETS), tokenizer,
+                              scoring=True)
     port = free_port()
     uvicorn_server = uvicorn.Server(uvicorn.Config(build_app(engine, NAME), host="127.0.0.1", port=port,
                                                    log_level="warning"))
@@ -262,6 +263,27 @@ def test_logprobs_are_those_of_transformers_on_the_cpu(client, cpu_model, tokeni
     assert [len(row) for row in columns.top_logprobs] == [2] * 6
     plain = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
     assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.slow
+def test_echo_with_logprobs_scores_a_long_prompt_as_transformers_on_the_cpu(client, cpu_model, tokenizer):
+    """lm-eval's loglikelihood request (`echo`, `logprobs: 1`, `max_tokens: 1`) for a batch of a short prompt and
+    one prefilled in three chunks, the last moved back over positions the one before wrote: each prompt token's
+    log-probability is Transformers' on the CPU, and whether each token is the greedy one, as lm-eval reads it."""
+    prompts = [tokenizer(QUESTIONS[0]).input_ids, tokenizer(" ".join(QUESTIONS * 2)).input_ids[:MAX_LENGTH - 2]]
+    assert len(prompts[1]) > 2 * PROMPT_BUCKETS[-1]
+    answer = client.completions.create(model=NAME, prompt=prompts, max_tokens=1, logprobs=1, echo=True, temperature=0)
+    for prompt, choice in zip(prompts, answer.choices, strict=True):
+        with torch.no_grad():
+            logprobs = cpu_model(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+        columns = choice.logprobs
+        assert len(columns.tokens) == len(prompt) + 1 and columns.token_logprobs[0] is None
+        assert columns.token_logprobs[1:-1] == pytest.approx(
+            logprobs.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist(), abs=1e-4)
+        greedy = [max(top.values()) == logprob for top, logprob in zip(columns.top_logprobs[1:-1],
+                                                                       columns.token_logprobs[1:-1], strict=True)]
+        assert greedy == (logprobs.argmax(-1) == torch.tensor(prompt[1:])).tolist()
+        assert choice.text.startswith(tokenizer.decode(prompt))
 
 
 @pytest.mark.slow
@@ -575,14 +597,19 @@ def start_command(folder: Path, *arguments: str, env: dict[str, str] | None = No
 def test_the_command_serves_on_localhost_and_drains_on_sigterm(folder, cpu_model, tokenizer):
     """`optimum-cli neuron-torch serve`: binds 127.0.0.1; on SIGTERM it takes no new request, finishes
     the one streaming, and exits 0."""
-    # (one slot and one prompt bucket: 4 graphs to compile, what this test needs)
-    process, url = start_command(folder, "--batch-size", "1", "--prompt-buckets", "16",
+    # (one slot and one prompt bucket: 4 graphs to compile, and the 2 that score prompts)
+    process, url = start_command(folder, "--batch-size", "1", "--prompt-buckets", "16", "--prompt-logprobs",
                                  env={**os.environ, "OPTIMUM_NEURON_TORCH_API_KEY": "secret"})
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="secret", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
         prompt = tokenizer(QUESTIONS[6]).input_ids
+        with torch.no_grad():
+            logprobs = cpu_model(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+        scored = client.completions.create(model=str(folder), prompt=prompt, max_tokens=1, logprobs=0, echo=True)
+        assert scored.choices[0].logprobs.token_logprobs[1:-1] == pytest.approx(
+            logprobs.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist(), abs=1e-4)
         stream = client.completions.create(model=str(folder), prompt=QUESTIONS[6], max_tokens=40, temperature=0,
                                            stream=True)
         text = [next(stream).choices[0].text]

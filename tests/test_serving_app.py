@@ -1,6 +1,6 @@
 """The server in process (`serving.protocol`, `serving.app`, `serving.server`) for mutation testing: mutmut reruns
 these on each mutant, and a subprocess would import the unmutated package. Pure functions and the application over a
-scripted engine; one tiny compiled engine (2 slots, 6 graphs) answers with Transformers' greedy tokens on the CPU."""
+scripted engine; one tiny compiled engine (2 slots, 8 graphs) answers with Transformers' greedy tokens on the CPU."""
 
 from __future__ import annotations
 
@@ -67,12 +67,12 @@ class ScriptedEngine:
         self.model = SimpleNamespace(generation_config=transformers.GenerationConfig(),
                                      get_input_embeddings=lambda: torch.nn.Embedding(VOCAB, 1))
         self.ready, self.busy_slots, self.waiting, self.jobs, self.cancelled = threading.Event(), 1, 2, [], []
-        self.graphs_unloaded, self.batch_size, self.busy_after = 3, 2, None
+        self.graphs_unloaded, self.batch_size, self.busy_after, self.scoring = 3, 2, None, False
         self.ready.set() if ready else None
         self.device_memory, self.cancel, self.stop = lambda: 123, self.cancelled.append, self.ready.clear
 
     def submit(self, job, prompt_field="prompt") -> None:
-        job.check(64, prompt_field)
+        job.check(64, prompt_field, self.scoring)
         if self.busy and (self.busy_after is None or len(self.jobs) >= self.busy_after):
             raise self.busy
         self.jobs.append((job, prompt_field))
@@ -130,6 +130,11 @@ def test_parse_reads_the_fields_and_refuses_bad_ones_naming_them():
     with pytest.raises(InvalidRequestError, match=r"^top_logprobs needs logprobs: true$"):
         parse(chat(top_logprobs=2)).logprobs_asked()
     assert parse({"model": NAME, "prompt": "a", "logprobs": 0}, CompletionRequest).logprobs_asked() == 0
+    scored = [parse({"model": NAME, "prompt": "a", **fields}, CompletionRequest).prompt_logprobs_asked()
+              for fields in ({}, dict(echo=True), dict(logprobs=2), dict(echo=True, logprobs=0),
+                             dict(echo=True, logprobs=3))]
+    assert scored == [None, None, None, 0, 3] and parse(chat(logprobs=True)).prompt_logprobs_asked() is None
+    assert refusal({"model": NAME, "prompt": "a", "echo": 1}, CompletionRequest)[0] == "echo"
     body = parse(chat(max_tokens=5, temperature=0.5, top_p=0.9, top_k=-1, seed=-(2**63), stop=list("abcd"),
                       stream=True, stream_options={"include_usage": True}, logprobs=False, echo=False, tools=[]))
     assert (body.model, body.max_tokens, body.temperature, body.top_p, body.top_k, body.seed, body.stream) == (
@@ -449,6 +454,66 @@ def test_logprobs_of_the_events_in_the_openai_shapes_whole_and_streamed():
     assert plain.get("logprobs") is None and engine.jobs[-1][0].logprobs is None
 
 
+def test_echo_starts_each_completion_with_its_prompt_and_its_scores_whole_and_streamed():
+    """`echo` (completions): each choice's text starts with its prompt's (the text given, or its token ids
+    decoded); with `logprobs`, the engine scores the prompt, whose tokens lead the choice's columns, the first one
+    with no log-probability (null, as the OpenAI API gives it). An engine without the graphs that score prompts
+    refuses naming `echo`, before any request is queued; a chat request refuses `echo`."""
+    prompt = [TokenLogprob(1, None), TokenLogprob(2, -1.5, ((3, -0.5), (2, -1.5)))]
+    first, second = TokenLogprob(5, -0.25, ((5, -0.25), (6, -1.5))), TokenLogprob(7, -2.0, ((7, -2.0), (8, -3.0)))
+    events = [Event("he", 1, logprobs=[first], prompt_logprobs=prompt), Event(" llo", 2, "stop", logprobs=[second])]
+    engine = ScriptedEngine(events=events)
+    app = build_app(engine, NAME)
+    body = {"model": NAME, "prompt": [1, 2], "logprobs": 2, "echo": True}
+    refused = call(app, "POST", "/v1/completions", json=body)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo" and not engine.jobs
+    assert "--prompt-logprobs" in refused.json()["error"]["message"]
+    assert call(app, "POST", "/v1/chat/completions", json=chat(echo=True)).json()["error"]["param"] == "echo"
+    engine.scoring = True
+    text = {token: TOKENIZER.decode([token]) for token in (1, 2, 3, 5, 6, 7, 8)}
+    tokens = [text[token] for token in (1, 2, 5, 7)]
+    columns = {"tokens": tokens, "token_logprobs": [None, -1.5, -0.25, -2.0],
+               "text_offset": [sum(map(len, tokens[:index])) for index in range(4)],
+               "top_logprobs": [None, {text[3]: -0.5, text[2]: -1.5}, {text[5]: -0.25, text[6]: -1.5},
+                                {text[7]: -2.0, text[8]: -3.0}]}
+    choice = call(app, "POST", "/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"] == TOKENIZER.decode([1, 2]) + "he llo" and choice["logprobs"] == columns
+    assert engine.jobs[-1][0].prompt_logprobs == 2
+    chunks = sse(call(app, "POST", "/v1/completions", json={**body, "stream": True}))
+    assert [chunk["choices"][0]["text"] for chunk in chunks] == [TOKENIZER.decode([1, 2]) + "he", " llo"]
+    assert [chunk["choices"][0]["logprobs"] for chunk in chunks] == [
+        {name: values[:3] for name, values in columns.items()}, {name: values[3:] for name, values in columns.items()}]
+    engine.events = EVENTS
+    choices = call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": ["paris is", "the cat"], "n": 2,
+                                                         "echo": True}).json()["choices"]
+    assert [choice["text"] for choice in choices] == ["paris ishe llo"] * 2 + ["the cathe llo"] * 2
+    assert engine.jobs[-1][0].prompt_logprobs is None and "logprobs" not in choices[0]
+
+
+def test_a_request_scores_each_prompt_token_once_whatever_its_pieces():
+    """A prompt prefilled in pieces (the last one moved back over positions the one before wrote, and padded past
+    the prompt's end) notes each prompt token's score once, from the position before it, for its first event."""
+    request = Request([10, 11, 12, 13, 14, 15, 16], 4, SamplingSettings(), [], print, prompt_logprobs=1)
+    assert request.targets(0, 4, 0) == [[11, 12, 13, 14]] and request.targets(5, 4, 0) == [[16, 0, 0, 0]]
+    assert Request([1, 2], 4, SamplingSettings(), [], print).targets(0, 4, 0) is None
+
+    def scores(start: int, length: int) -> tuple[torch.Tensor, ...]:  # (position p: -p, its top token 100 + p)
+        positions = torch.arange(start, start + length, dtype=torch.float32)
+        return -positions, torch.stack([-positions / 2, -positions], 1), (100 + positions).long()[:, None].repeat(1, 2)
+
+    request.score(0, scores(0, 4))  # positions 0-3 score tokens 1-4
+    request.score(2, scores(2, 8))  # positions 2-9: 4-5 score tokens 5-6; 6 (the last token) and 7-9 (padding) none
+    expected = [TokenLogprob(10, None)] + [TokenLogprob(11 + p, -p, ((100 + p, -p / 2),)) for p in range(6)]
+    request.tokens.append(3)
+    assert request.event("", None).prompt_logprobs == expected
+    request.tokens.append(4)
+    assert request.event("", None).prompt_logprobs is None  # (the first event only)
+    with pytest.raises(InvalidRequestError, match="--prompt-logprobs") as caught:
+        Request([1], 4, SamplingSettings(), [], print, prompt_logprobs=0).check(64)
+    assert caught.value.param == "prompt_logprobs"
+    Request([1], 4, SamplingSettings(), [], print, prompt_logprobs=0).check(64, scoring=True)
+
+
 def test_a_request_notes_the_logprobs_of_the_tokens_it_takes_for_its_next_event():
     logits = torch.tensor([0.0, 2.0, 1.0, -1.0])
     expected = logits.log_softmax(-1)
@@ -542,9 +607,10 @@ def cpu_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def app(cpu_model):
-    """The application over an engine of 2 slots, 64 positions and one prompt bucket (6 graphs)."""
+    """The application over an engine of 2 slots, 64 positions and one prompt bucket, which scores prompts
+    (8 graphs: 2 score the prompt)."""
     model = ont.NeuronAutoModelForCausalLM.from_pretrained(cpu_model.folder)
-    engine = GenerationEngine(model, Buckets.for_slots(model.config, 2, 64, (16,)), TOKENIZER)
+    engine = GenerationEngine(model, Buckets.for_slots(model.config, 2, 64, (16,)), TOKENIZER, scoring=True)
     engine.start(show_progress=False)
     engine.wait_ready(timeout=600)
     yield build_app(engine, NAME)  # (the ASGI transport runs no lifespan: the fixture stops the engine)
@@ -584,6 +650,30 @@ def test_answers_are_transformers_greedy_tokens_up_to_a_stop_string_and_seeds_re
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     samples = [complete(max_tokens=12, temperature=1.0, seed=seed)["choices"][0]["text"] for seed in (7, 7, 8)]
     assert samples[0] == samples[1] != samples[2]  # (the same seed, the same text; another, another)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_on_the_cpu(app, cpu_model):
+    """`echo` with `logprobs` (what lm-eval's loglikelihood tasks send): each prompt token's log-probability given
+    those before it, and the most likely tokens', as Transformers computes them on the CPU, for a prompt of one
+    piece and one prefilled in three (of 16 positions, the last padded), then the answer's token."""
+    for length in (9, 40):
+        prompt = [(7 * index + 3) % VOCAB for index in range(length)]
+        with torch.no_grad():
+            logprobs = cpu_model(torch.tensor([prompt])).logits[0].log_softmax(-1)
+        tokens, text = greedy_answer(cpu_model, TOKENIZER, prompt, 1)
+        choice = call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": 1,
+                                                             "logprobs": 2, "echo": True, "temperature": 0}
+                      ).json()["choices"][0]
+        columns, top = choice["logprobs"], logprobs.topk(2)
+        assert choice["text"] == TOKENIZER.decode(prompt) + text
+        assert columns["tokens"] == [TOKENIZER.decode([token]) for token in prompt + tokens]
+        assert columns["token_logprobs"][0] is None and columns["top_logprobs"][0] is None
+        assert columns["token_logprobs"][1:] == pytest.approx(
+            logprobs.gather(1, torch.tensor(prompt[1:] + tokens)[:, None])[:, 0].tolist(), abs=1e-5)
+        assert [value for row in columns["top_logprobs"][1:] for value in sorted(row.values(), reverse=True)
+                ] == pytest.approx(top.values.flatten().tolist(), abs=1e-5)
+        assert [set(row) for row in columns["top_logprobs"][1:]] == [
+            {TOKENIZER.decode([token]) for token in row} for row in top.indices.tolist()]
 
 
 def test_a_restarted_server_engine_is_ready_before_loading_the_graphs_it_finds_compiled(cpu_model, tmp_path,

@@ -24,9 +24,11 @@ DRAIN_SECONDS = 120  # after SIGTERM, how long the requests running may take to 
 def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int | None = None,
           max_length: int | None = None,
           prompt_buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
-          api_key: str | None = None, tp_size: int = 1, dtype: str | None = None) -> None:
+          api_key: str | None = None, tp_size: int = 1, dtype: str | None = None,
+          prompt_logprobs: bool = False) -> None:
     """Serves `model_id` (default: the library's default model) until SIGTERM or Ctrl-C; clients
-    name it `model_id` (or `DEFAULT_MODEL`, `SmolLM2-135M-Instruct`). The engine runs `serving_buckets`.
+    name it `model_id` (or `DEFAULT_MODEL`, `SmolLM2-135M-Instruct`). The engine runs `serving_buckets`,
+    with the graphs that score prompts if `prompt_logprobs`.
 
     Raises:
         MissingDependencyError: FastAPI, uvicorn or openai is not installed (the `serve` extra).
@@ -44,7 +46,7 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     buckets = serving_buckets(model, batch_size=batch_size, max_length=max_length, prompt_buckets=prompt_buckets)
     engine = GenerationEngine(model, buckets, tokenizer, prefill_budget=prefill_budget,
-                              broadcast=StepBroadcast() if tp_size > 1 else None)
+                              broadcast=StepBroadcast() if tp_size > 1 else None, scoring=prompt_logprobs)
     if not is_first_rank():
         # (rank 0 decides when the job stops: it drains its requests, then tells the others)
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -189,10 +189,12 @@ def chunk_contexts(buckets: Buckets) -> tuple[int, ...]:
     return tuple(context for context in buckets.context_buckets if context >= first)
 
 
-def engine_plan(buckets: Buckets, *, sampling: bool = True) -> list[PlannedGraph]:
+def engine_plan(buckets: Buckets, *, sampling: bool = True, scoring: bool = False) -> list[PlannedGraph]:
     """Every graph the generation engine (`engine.GenerationEngine`) runs for `buckets`: a prefill of
-    one prompt per prompt bucket (over the bucket), a chunk per `chunk_contexts`, and per batch and
-    context bucket a greedy decode step and, with `sampling`, one that samples.
+    one prompt per prompt bucket (over the bucket), a chunk per `chunk_contexts`, per batch and
+    context bucket a greedy decode step and, with `sampling`, one that samples; with `scoring`, a
+    prefill and a chunk of each of those shapes that also scores every prompt token (see
+    `slots.slot_step`).
 
     Example:
         >>> len(engine_plan(Buckets((1, 2), (8, 16), 64, (32, 64))))  # 2 prefills, 2 chunks, 2 x 2 x 2 decode steps
@@ -205,6 +207,9 @@ def engine_plan(buckets: Buckets, *, sampling: bool = True) -> list[PlannedGraph
             plan.append(PlannedGraph("decode", batch, 1, context))
             if sampling:
                 plan.append(PlannedGraph("sampling decode", batch, 1, context))
+    if scoring:
+        plan += [PlannedGraph(f"scoring {graph.role}", 1, graph.tokens, graph.context) for graph in plan
+                 if graph.role in ("prefill", "chunk")]
     return plan
 
 
@@ -256,7 +261,8 @@ def distinct_programs(plan: list[PlannedGraph], layer_kinds: int = 1, engine: bo
     that samples shares all but its last program with the greedy one. The generation engine's steps
     (`engine`) build their masks from their context before the layers, and its prefills sample, so
     that its programs before the layers are per graph shapes and its programs after per rows, new
-    tokens and whether they sample.
+    tokens, whether they sample and whether they score the prompt (a scoring prefill shares every
+    program before its head with the prefill of its shape).
 
     Example:
         >>> distinct_programs([PlannedGraph("decode", 1, 1, 128), PlannedGraph("decode", 1, 1, 512)])
@@ -264,7 +270,8 @@ def distinct_programs(plan: list[PlannedGraph], layer_kinds: int = 1, engine: bo
     """
     if engine:
         shapes = {(graph.batch, graph.tokens, graph.context) for graph in plan}
-        after = {(graph.role != "decode", graph.batch, graph.tokens) for graph in plan}
+        after = {(graph.role != "decode", graph.role.startswith("scoring"), graph.batch, graph.tokens)
+                 for graph in plan}
         return len(shapes) * (1 + layer_kinds) + len(after)
     before = {(graph.role == "encoder", graph.batch, graph.tokens, graph.context if graph.tokens == 1 else None)
               for graph in plan}

@@ -76,6 +76,8 @@ class GenerationEngine:
             `ServerBusyError`. Default: 4 per slot.
         broadcast (`StepBroadcast`, *optional*): for a model split between ranks: rank 0's engine sends
             each device call to the other ranks' engines, which run them (`follow`).
+        scoring (`bool`): whether requests may score their prompt (`Request.prompt_logprobs`): the
+            engine also compiles a scoring prefill of each prefill's shape (see `buckets.engine_plan`).
 
     Example:
 
@@ -89,8 +91,8 @@ class GenerationEngine:
 
     def __init__(self, model: PreTrainedModel, buckets: Buckets, tokenizer: PreTrainedTokenizerBase | None = None,
                  *, prefill_budget: int | None = None, queue_size: int | None = None,
-                 broadcast: StepBroadcast | None = None) -> None:
-        self.buckets = buckets
+                 broadcast: StepBroadcast | None = None, scoring: bool = False) -> None:
+        self.buckets, self.scoring = buckets, scoring
         self._model = weakref.ref(model)  # (the model holds its engine: no cycle, it frees on `del`)
         self.tokenizer = tokenizer
         slots = buckets.batch_sizes[-1]
@@ -164,12 +166,13 @@ class GenerationEngine:
             prompt_field (`str`): what the errors about its prompt name as the field at fault.
 
         Raises:
-            InvalidRequestError: an empty prompt, a prompt above the largest prompt bucket, or
-                `max_tokens` beyond what the cache holds after the prompt (names the field).
+            InvalidRequestError: an empty prompt, a prompt above the largest prompt bucket,
+                `max_tokens` beyond what the cache holds after the prompt (names the field), or
+                `prompt_logprobs` asked of an engine without `scoring`.
             ServerBusyError: the queue is full, or the engine is not serving (starting, stopping,
                 or failed).
         """
-        request.check(self.buckets.max_length, prompt_field)
+        request.check(self.buckets.max_length, prompt_field, self.scoring)
         with self._condition:
             if not (self._stopping or self.ready.is_set() or self.failure):  # (GET /health says when it is ready)
                 raise ServerBusyError("the server is starting", starting=True)
@@ -204,7 +207,7 @@ class GenerationEngine:
                 running then end with an error event); other failures end their requests only.
         """
         for request in requests:
-            request.check(self.buckets.max_length, "input_ids")
+            request.check(self.buckets.max_length, "input_ids", self.scoring)
             request._call = requests
         with self._condition:
             self._waiting.extend(requests)
@@ -316,7 +319,7 @@ class GenerationEngine:
                     logger.exception("a step failed on this rank; the next one runs")
 
     def warm_up(self, show_progress: bool = True, sampling: bool = True, load: bool = True) -> None:
-        """Runs every graph of `buckets.engine_plan(sampling=sampling)` once (a progress bar if
+        """Runs every graph of `buckets.engine_plan` (`sampling`, the engine's `scoring`) once (a progress bar if
         `show_progress`), on pad tokens: each is compiled, or loaded from the compile cache, before the
         first request. With `load=False` (the server), a graph the compile cache holds whole (its traced
         function and every program it runs, see `PrecompiledFunction.saved`) is left for an idle turn of
@@ -324,7 +327,8 @@ class GenerationEngine:
         not wait for every graph to load."""
         self._unloaded.clear()
         with contextlib.nullcontext() if self._running else self._driving():  # (the server's thread drives)
-            for graph in tqdm(engine_plan(self.buckets, sampling=sampling), desc="Compiling neuron graphs",
+            for graph in tqdm(engine_plan(self.buckets, sampling=sampling, scoring=self.scoring),
+                              desc="Compiling neuron graphs",
                               disable=not show_progress):
                 step = dummy_step(graph, self.pad_token_id)
                 keys = None if load else self.device.saved(*step)
@@ -421,10 +425,12 @@ class GenerationEngine:
         end = min(start + length, len(request.prompt))
         ids = request.prompt[start:end] + [self.pad_token_id] * (start + length - end)
         final = end == len(request.prompt)  # (only its token is taken: only it draws a random number)
-        tokens, logits = self.device.forward([ids], [list(range(start, start + length))], end - 1 - start, context,
-                                             [request.next_uniform() if final else 0.0],
-                                             [request.sampling.row(taken=final and request.choose is None)],
-                                             slot=request._slot)
+        tokens, logits, scores = self.device.forward(
+            [ids], [list(range(start, start + length))], end - 1 - start, context,
+            [request.next_uniform() if final else 0.0], [request.sampling.row(taken=final and request.choose is None)],
+            request._slot, request.targets(start, length, self.pad_token_id))
+        if scores:
+            request.score(start, scores)
         request._prefilled = end
         if final:
             self._take(request, request.chosen(int(tokens[0]), logits[0]))
@@ -441,7 +447,7 @@ class GenerationEngine:
         context = self.buckets.context_bucket_for(max(request.position + 1 for request in rows if request))
         # (a row without a decoding request writes where its slot's next prefill piece writes anyway)
         idle = [request._prefilled if request is not None else 0 for request in self._slots[:len(rows)]]
-        tokens, logits = self.device.forward(
+        tokens, logits, _ = self.device.forward(
             [[request.tokens[-1] if request else self.pad_token_id] for request in rows],
             [[request.position if request else position] for request, position in zip(rows, idle, strict=True)],
             0, context, [request.next_uniform() if request else 0.0 for request in rows],
@@ -457,22 +463,11 @@ class GenerationEngine:
                 self._fail([request], error, "taking its token")
 
     def _take(self, request: Request, token: int) -> None:
-        """Gives `request` its next token; sends its event."""
-        if request.cancelled:
-            return
-        request.tokens.append(token)
-        text = request._text.add(token) if request._text is not None else ""
-        finish = None
-        eos = self.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
-        if (request._text is not None and request._text.stopped) or token in eos:
-            finish = "stop"
-        elif len(request.tokens) >= request.max_tokens:
-            finish = "length"
-        if finish is not None and request._text is not None:
-            text += request._text.finish()
-        self._emit(request, request.event(text, finish))
-        if finish is not None:
-            request.cancelled = True  # (done: it leaves its slot)
+        """Gives `request` its next token and sends its event; done, it leaves its slot."""
+        if not request.cancelled:
+            event = request.take(token, self.eos_token_ids)
+            self._emit(request, event)
+            request.cancelled |= event.finish_reason is not None
 
     def _emit(self, request: Request, event: Event) -> None:
         try:

@@ -17,6 +17,9 @@ WARPERS = slice(0, len(SamplingParameters().row()))
 PENALTIES = slice(WARPERS.stop, WARPERS.stop + 3)  # repetition, presence, frequency
 TAKEN = PENALTIES.stop
 NO_PENALTIES = [1.0, 0.0, 0.0]  # the logits as they are
+# The most likely tokens a request may ask the log-probabilities of, with each token's (as the OpenAI
+# API's chat `top_logprobs`); the graphs that score a prompt compute that many at each position.
+MAX_LOGPROBS = 20
 
 
 @dataclass
@@ -58,7 +61,7 @@ class TokenLogprob:
     warpers, as vLLM and the OpenAI API give them), and the most likely tokens with theirs."""
 
     token: int
-    logprob: float
+    logprob: float | None  # (None: a prompt's first token, which nothing before predicts)
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -73,6 +76,8 @@ class Event:
     finish_reason: str | None = None
     error: str | None = None  # (with finish_reason "error": what failed)
     logprobs: list[TokenLogprob] | None = None
+    # (the first event, with `Request.prompt_logprobs`: the prompt's tokens)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(eq=False)
@@ -96,6 +101,10 @@ class Request:
         logprobs (`int`, *optional*): each event carries the log-probability of each token taken and
             of the `logprobs` most likely ones (computed on the host from the row's logits: a copy of
             `[vocab]` floats per token). Default: none.
+        prompt_logprobs (`int`, *optional*): the first event also carries the log-probability of
+            each prompt token given those before it (None for the first), with the `prompt_logprobs`
+            most likely ones (at most `MAX_LOGPROBS`), computed by the engine's scoring graphs (see
+            `buckets.engine_plan`). Default: none.
     """
 
     prompt: list[int]
@@ -106,6 +115,7 @@ class Request:
     eos_token_ids: set[int] | None = None
     choose: Callable[[torch.Tensor, torch.Generator], int] | None = field(default=None, repr=False)
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     cancelled: bool = False  # ended: done, failed, or its caller gone
     tokens: list[int] = field(default_factory=list)  # generated so far
     error: BaseException | None = field(default=None, repr=False)  # what failed it, if anything did
@@ -116,15 +126,20 @@ class Request:
     _prefilled: int = field(default=0, init=False, repr=False)  # prompt tokens in the cache so far
     _call: list[Request] = field(default_factory=list, init=False, repr=False)  # its `generate()` call's requests
     _logprobs: list[TokenLogprob] = field(default_factory=list, init=False, repr=False)  # (for the next event)
+    _prompt_logprobs: list[TokenLogprob] = field(default_factory=list, init=False, repr=False)
 
-    def check(self, max_length: int, prompt_field: str = "prompt") -> None:
+    def check(self, max_length: int, prompt_field: str = "prompt", scoring: bool = False) -> None:
         """Checks the prompt and `max_tokens` against a cache of `max_length` positions per slot, and
         sets `max_tokens` if None (to the room the cache leaves after the prompt).
 
         Raises:
-            InvalidRequestError: an empty prompt, a prompt with no room for an answer, or `max_tokens`
-                beyond what the cache holds after the prompt (names the field).
+            InvalidRequestError: an empty prompt, a prompt with no room for an answer, `max_tokens`
+                beyond what the cache holds after the prompt (names the field), or `prompt_logprobs`
+                without `scoring` (an engine that has no graph to score prompts with).
         """
+        if self.prompt_logprobs is not None and not scoring:
+            raise InvalidRequestError("scoring the prompt needs the graphs that score it: start the server with "
+                                      "--prompt-logprobs (an engine with scoring=True)", "prompt_logprobs")
         prompt = self.prompt
         if not prompt:
             raise InvalidRequestError("the prompt has no tokens", prompt_field)
@@ -176,10 +191,48 @@ class Request:
                 zip(top.indices.tolist(), top.values.tolist(), strict=True))))
         return token
 
+    def take(self, token: int, eos_token_ids: set[int]) -> Event:
+        """Takes its next token: the event of the step (finished by an end-of-sequence token, of
+        `eos_token_ids` unless it has its own, a stop string, or `max_tokens`)."""
+        self.tokens.append(token)
+        text = self._text.add(token) if self._text is not None else ""
+        finish = None
+        if (self._text is not None and self._text.stopped) or token in (
+                eos_token_ids if self.eos_token_ids is None else self.eos_token_ids):
+            finish = "stop"
+        elif len(self.tokens) >= self.max_tokens:
+            finish = "length"
+        if finish is not None and self._text is not None:
+            text += self._text.finish()
+        return self.event(text, finish)
+
+    def targets(self, start: int, length: int, pad_token_id: int) -> list[list[int]] | None:
+        """With `prompt_logprobs`, what a prefill piece of `length` positions from `start` scores: the
+        prompt token after each position (`pad_token_id` past the prompt's last); else None."""
+        if self.prompt_logprobs is None:
+            return None
+        following = self.prompt[start + 1:start + 1 + length]
+        return [following + [pad_token_id] * (length - len(following))]
+
+    def score(self, start: int, scores: tuple[torch.Tensor, ...]) -> None:
+        """Notes the scores of a prefill piece from position `start` (`slots.slot_step`'s) for the
+        first event: of each prompt token it predicts, once (a last piece moved back scores again
+        positions the one before did)."""
+        chosen, top_values, top_tokens = (score.tolist() for score in scores)
+        if not self._prompt_logprobs:
+            self._prompt_logprobs.append(TokenLogprob(self.prompt[0], None))
+        for position in range(len(self._prompt_logprobs) - 1, min(start + len(chosen), len(self.prompt) - 1)):
+            row = position - start
+            top = zip(top_tokens[row][:self.prompt_logprobs], top_values[row][:self.prompt_logprobs], strict=True)
+            self._prompt_logprobs.append(TokenLogprob(self.prompt[position + 1], chosen[row], tuple(top)))
+
     def event(self, text: str, finish_reason: str | None) -> Event:
-        """The event of the step that took its last token (with the log-probabilities noted since the last)."""
+        """The event of the step that took its last token (with the log-probabilities noted since the
+        last; the first, with the prompt's)."""
         logprobs, self._logprobs = self._logprobs, []
-        return Event(text, len(self.tokens), finish_reason, logprobs=None if self.logprobs is None else logprobs)
+        prompt = self._prompt_logprobs if self.prompt_logprobs is not None and len(self.tokens) == 1 else None
+        return Event(text, len(self.tokens), finish_reason, logprobs=None if self.logprobs is None else logprobs,
+                     prompt_logprobs=prompt)
 
     def next_uniform(self) -> float:
         """The next uniform number (its own generator: the same tokens whatever runs beside it)."""

@@ -45,7 +45,7 @@ from ..compiler.dynamo_backend import recording_cache_keys
 from .attention import packed_attention, takes_boolean_mask
 from .buckets import Buckets, PlannedGraph, engine_plan
 from .compiling import COMPILE_CONFIG, QUIET_WHILE_TRACED
-from .requests import NO_PENALTIES, PENALTIES, TAKEN, WARPERS, SamplingSettings
+from .requests import MAX_LOGPROBS, NO_PENALTIES, PENALTIES, TAKEN, WARPERS, SamplingSettings
 from .sampling import penalize, sample
 from .split_model import StepBroadcast, embeddings_without_padding_index, tensor_parallel_mesh, whole_graphs_reason
 
@@ -223,8 +223,8 @@ def head_shapes(model: PreTrainedModel, config: Any, layers: list[Any]) -> list[
 
 
 def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor, positions: torch.Tensor,
-              last: torch.Tensor, sampling: torch.Tensor, uniform: torch.Tensor, sampled: bool
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              last: torch.Tensor, sampling: torch.Tensor, uniform: torch.Tensor, sampled: bool,
+              targets: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """What gets compiled: one step of the slots in `cache.writes` (a prefill or a decode step, see
     the module's docstring), returning the token chosen for each row, and the logits it was chosen
     from (before the penalties), which stay on the device unless the host chooses a row's token.
@@ -241,10 +241,15 @@ def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor,
         sampled (`bool`): whether any row samples or has penalties; if not, the graph takes the argmax
             only (a graph of its own: sampling sorts the vocabulary of each row, a third of a decode
             step of SmolLM2 at batch 8).
+        targets (`torch.Tensor`, *optional*): int64 `[1, tokens]`, for a prefill piece that scores
+            its prompt (a graph of its own, see `buckets.engine_plan`): the token that follows each
+            position (what the model is scored on predicting there).
 
     Returns:
-        `tuple[torch.Tensor, torch.Tensor]`: the tokens, int64 `[rows]`, and the logits of the
-        position that chose them, `[rows, vocab]` in the model's dtype.
+        `tuple[torch.Tensor, ...]`: the tokens, int64 `[rows]`, and the logits of the position that
+        chose them, `[rows, vocab]` in the model's dtype; with `targets`, also the scores of each
+        position (the log-probability of its target, and the `MAX_LOGPROBS` largest ones with their tokens:
+        float32 `[tokens]`, float32 and int64 `[tokens, MAX_LOGPROBS]`), from its raw logits.
     """
     keys = torch.arange(cache.writes.context, device=positions.device)[None, None, None, :]
     queries = positions[:, None, :, None]
@@ -255,10 +260,19 @@ def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor,
         mask = {"full_attention": mask, "sliding_attention": sliding} if cache.mixed_layers else sliding
     else:
         mask = _as_attention_takes(mask, model)
-    logits = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
-                   logits_to_keep=last).logits[:, -1]
+    if targets is None:
+        logits = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
+                       logits_to_keep=last).logits[:, -1]
+        scores = ()
+    else:  # (the logits of every position: the head reads them all)
+        every = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache,
+                      use_cache=True).logits
+        logits = every.index_select(1, last)[:, -1]
+        logprobs = every[0].float().log_softmax(-1)
+        top = logprobs.topk(MAX_LOGPROBS)
+        scores = (logprobs.gather(-1, targets[0, :, None])[:, 0], top.values, top.indices)
     if not sampled:
-        return logits.argmax(-1), logits
+        return logits.argmax(-1), logits, *scores
     prefill = cache.writes.slot is not None
     rows = cache.writes.slot if prefill else torch.arange(input_ids.shape[0], device=input_ids.device)
     seen, counts = cache.tokens.read(rows, input_ids, positions, last, prefill)
@@ -269,7 +283,7 @@ def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor,
     parameters = torch.cat([torch.where(greedy, 1.0, warpers[:, 0])[:, None], warpers[:, 1:]], dim=1)
     tokens = torch.where(greedy, penalized.argmax(-1), sample(penalized, parameters, uniform))
     cache.tokens.update(rows, seen, counts, tokens, sampling[:, TAKEN])
-    return tokens, logits
+    return tokens, logits, *scores
 
 
 def _as_attention_takes(mask: torch.Tensor, model: PreTrainedModel) -> torch.Tensor:
@@ -285,9 +299,10 @@ def dummy_step(graph: PlannedGraph, pad_token_id: int) -> tuple[Any, ...]:
     """The arguments of `SlotSteps.forward` that run `graph` (of `buckets.engine_plan`) on pad tokens,
     in slot 0 or the first slots: what it writes there, a request's prefill writes again."""
     context, sampled = graph.context, SamplingSettings(temperature=1.0).row(taken=False)
-    if graph.role in ("prefill", "chunk"):
+    if graph.role.endswith(("prefill", "chunk")):
+        targets = [[pad_token_id] * graph.tokens] if graph.role.startswith("scoring") else None
         return ([[pad_token_id] * graph.tokens], [list(range(context - graph.tokens, context))], 0, context, [0.5],
-                [sampled], 0)
+                [sampled], 0, targets)
     sampling = sampled if graph.role == "sampling decode" else SamplingSettings().row(taken=False)
     return ([[pad_token_id]] * graph.batch, [[context - 1]] * graph.batch, 0, context, [0.5] * graph.batch,
             [sampling] * graph.batch, None)
@@ -310,7 +325,7 @@ class SlotSteps:
         self.step = regions.compile_by_layer(slot_step, whole_because=whole_graphs_reason(model),
                                              **COMPILE_CONFIG.to_dict())
         self.broadcast = broadcast
-        self.graphs = len(engine_plan(buckets))
+        self.graphs = len(engine_plan(buckets, scoring=True))
         self.cache_keys: set[str] = set()  # the compile-cache entries of the graphs run (saved with the model)
 
     @property
@@ -333,33 +348,37 @@ class SlotSteps:
             self.cache_keys |= keys
 
     def forward(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
-                uniform: list[float], sampling: list[list[float]], slot: int | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                uniform: list[float], sampling: list[list[float]], slot: int | None = None,
+                targets: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         """One step (a prefill piece into `slot`, or a decode step of the first slots, see `slot_step`),
-        sent to the other ranks first if split: the chosen tokens, on the host, and the logits they
-        were chosen from, on the device."""
+        sent to the other ranks first if split: the chosen tokens, on the host, the logits they
+        were chosen from, on the device, and with `targets` the scores of the piece's positions, on
+        the host (else an empty tuple)."""
         if self.broadcast is not None:
-            self.broadcast.send((ids, positions, last, context, uniform, sampling, slot))
-        return self.run(ids, positions, last, context, uniform, sampling, slot)
+            self.broadcast.send((ids, positions, last, context, uniform, sampling, slot, targets))
+        return self.run(ids, positions, last, context, uniform, sampling, slot, targets)
 
     def run(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
-            uniform: list[float], sampling: list[list[float]], slot: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+            uniform: list[float], sampling: list[list[float]], slot: int | None,
+            targets: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         """One step on this rank. A prefill always runs the graph that can sample (one row: it costs
         little); a decode step, only if a row samples or has penalties."""
-        with self._inputs(ids, positions, last, context, uniform, sampling, slot) as inputs:
-            tokens, logits = self.step(self.model, self.cache, *inputs)
-            return tokens.cpu(), logits
+        with self._inputs(ids, positions, last, context, uniform, sampling, slot, targets) as inputs:
+            tokens, logits, *scores = self.step(self.model, self.cache, *inputs)
+            return tokens.cpu(), logits, tuple(score.cpu() for score in scores)
 
     def saved(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
-              uniform: list[float], sampling: list[list[float]], slot: int | None) -> set[str] | None:
+              uniform: list[float], sampling: list[list[float]], slot: int | None,
+              targets: list[list[int]] | None = None) -> set[str] | None:
         """The compile-cache entries the step `run` takes with these inputs, when it would trace and
         compile nothing, else None (see `PrecompiledFunction.saved`); runs nothing."""
-        with self._inputs(ids, positions, last, context, uniform, sampling, slot) as inputs:
+        with self._inputs(ids, positions, last, context, uniform, sampling, slot, targets) as inputs:
             return self.step.saved(self.model, self.cache, *inputs)
 
     @contextlib.contextmanager
     def _inputs(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
-                uniform: list[float], sampling: list[list[float]], slot: int | None) -> Iterator[tuple[Any, ...]]:
+                uniform: list[float], sampling: list[list[float]], slot: int | None,
+                targets: list[list[int]] | None) -> Iterator[tuple[Any, ...]]:
         """Within: the step's inputs on the device (after the model and the cache), the cache's writes
         set for them and the model's attention packed."""
         device = self.model.device
@@ -373,6 +392,7 @@ class SlotSteps:
             with packed_attention(self.model):
                 yield (torch.tensor(ids, device=device), positions_tensor, torch.tensor([last], device=device),
                        torch.tensor(sampling, device=device),
-                       torch.tensor(uniform, dtype=torch.float32, device=device), sampled)
+                       torch.tensor(uniform, dtype=torch.float32, device=device), sampled,
+                       None if targets is None else torch.tensor(targets, device=device))
         finally:  # (between steps the device holds the cache only)
             writes.positions = writes.slot = None

@@ -161,7 +161,10 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
     async def completions(request: Request) -> Any:
         body = parse(await _read_body(request, max_body_bytes), CompletionRequest)
         _check_model(body.model, model_name)
-        return await _respond(request, engine, metrics, body, _completion_prompts(engine, body), chat=False)
+        prompts, texts = _completion_prompts(engine, body)
+        echoes = [engine.tokenizer.decode(ids) if text is None else text
+                  for ids, text in zip(prompts, texts, strict=True)] if body.echo else None
+        return await _respond(request, engine, metrics, body, prompts, chat=False, echoes=echoes)
 
     return app
 
@@ -194,8 +197,10 @@ def _chat_prompt(engine: GenerationEngine, body: ChatCompletionRequest) -> list[
     return list(encoding["input_ids"])
 
 
-def _completion_prompts(engine: GenerationEngine, body: CompletionRequest) -> list[list[int]]:
-    """The token ids of each prompt of the request: one text or list of token ids, or a batch of them."""
+def _completion_prompts(engine: GenerationEngine, body: CompletionRequest) -> tuple[list[list[int]],
+                                                                                   list[str | None]]:
+    """The token ids of each prompt of the request (one text or list of token ids, or a batch of
+    them), and its text where it was given as one."""
     prompts = body.prompt
     if not isinstance(prompts, list) or not prompts or not isinstance(prompts[0], (str, list)):
         prompts = [prompts]
@@ -209,7 +214,7 @@ def _completion_prompts(engine: GenerationEngine, body: CompletionRequest) -> li
             field = "prompt" if len(prompts) == 1 else f"prompt.{index}"
             raise InvalidRequestError(f"token ids must be in [0, {vocab}), the model's vocabulary", field)
         found.append(list(prompt))
-    return found
+    return found, [prompt if isinstance(prompt, str) else None for prompt in prompts]
 
 
 def _sampling(engine: GenerationEngine, body: ChatCompletionRequest | CompletionRequest) -> SamplingSettings:
@@ -234,12 +239,18 @@ def _sampling(engine: GenerationEngine, body: ChatCompletionRequest | Completion
 
 
 async def _respond(request: Request, engine: GenerationEngine, metrics: ServerMetrics,
-                   body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], chat: bool) -> Any:
-    """Submits a request per choice to the engine and answers: streamed, or whole once they finish."""
+                   body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], chat: bool,
+                   echoes: list[str] | None = None) -> Any:
+    """Submits a request per choice to the engine and answers: streamed, or whole once they finish
+    (each completion after its prompt's text, `echoes`, if given)."""
     n = body.n or 1
     if n > engine.batch_size:
         raise InvalidRequestError(f"n is {n}, above the {engine.batch_size} choices this server computes at once "
                                   "(its --batch-size)", "n")
+    scored = body.prompt_logprobs_asked()
+    if scored is not None and not engine.scoring:
+        raise InvalidRequestError("echo with logprobs scores the prompt, which needs its own graphs: start the "
+                                  "server with --prompt-logprobs", "echo")
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
     sampling, eos, logprobs = _sampling(engine, body), set() if body.ignore_eos else None, body.logprobs_asked()
@@ -249,7 +260,7 @@ async def _respond(request: Request, engine: GenerationEngine, metrics: ServerMe
         prompt = prompts[index // n]
         on_event = metrics.track(0 if index % n else len(prompt), functools.partial(_put, loop, queue, index))
         jobs.append(EngineRequest(prompt, body.max_new_tokens(), dataclasses.replace(sampling, seed=seed),
-                                  body.stop_strings(), on_event, eos, logprobs=logprobs))
+                                  body.stop_strings(), on_event, eos, logprobs=logprobs, prompt_logprobs=scored))
     try:
         for index, job in enumerate(jobs):
             field = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt.{index // n}"
@@ -263,15 +274,18 @@ async def _respond(request: Request, engine: GenerationEngine, metrics: ServerMe
     events = _events(request, engine, jobs, queue)
     prompt_tokens = sum(map(len, prompts))
     decode = functools.partial(_token_text, engine.tokenizer)
+    echoes = None if echoes is None else [echoes[index // n] for index in range(len(jobs))]  # (per choice)
     if body.stream:
-        chunks = _chat_chunks if chat else _completion_chunks
-        return StreamingResponse(_sse(chunks(events, len(jobs), identity, created, body.model, prompt_tokens,
-                                             body.include_usage(), decode)),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    texts, last, tokens = [[] for _ in jobs], [None] * len(jobs), [[] for _ in jobs]
+        chunks = (_chat_chunks(events, len(jobs), identity, created, body.model, prompt_tokens, body.include_usage(),
+                               decode) if chat else
+                  _completion_chunks(events, len(jobs), identity, created, body.model, prompt_tokens,
+                                     body.include_usage(), decode, echoes))
+        return StreamingResponse(_sse(chunks), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    texts, last, tokens = [[] if echoes is None else [echoes[index]] for index in range(len(jobs))], \
+        [None] * len(jobs), [[] for _ in jobs]
     async for index, event in events:
         texts[index].append(event.text)
-        tokens[index] += event.logprobs or []
+        tokens[index] += (event.prompt_logprobs or []) + (event.logprobs or [])
         last[index] = event
     if any(event is None or event.finish_reason is None for event in last):  # the client went away: nobody to answer
         return Response(status_code=499)  # (nginx's 499)
@@ -343,8 +357,8 @@ async def _chat_chunks(events: AsyncIterator[tuple[int, Event]], choices: int, i
 
 
 async def _completion_chunks(events: AsyncIterator[tuple[int, Event]], choices: int, identity: str, created: int,
-                             model: str, prompt_tokens: int, include_usage: bool,
-                             decode: Callable[[int], str]) -> AsyncIterator[Completion]:
+                             model: str, prompt_tokens: int, include_usage: bool, decode: Callable[[int], str],
+                             echoes: list[str] | None) -> AsyncIterator[Completion]:
     def chunk(index: int | None, text: str = "", finish: str | None = None, usage: CompletionUsage | None = None,
               logprobs: Logprobs | None = None) -> Completion:
         # (`model_construct`: the `openai` type wants a finish reason, which a chunk before the last has not)
@@ -353,11 +367,16 @@ async def _completion_chunks(events: AsyncIterator[tuple[int, Event]], choices: 
         return Completion(id=identity, created=created, model=model, object="text_completion", choices=choices,
                           **({"usage": usage} if usage else {}))
 
-    last, offsets = [None] * choices, [0] * choices
+    last, offsets, started = [None] * choices, [0] * choices, [False] * choices
     async for index, event in events:
-        if event.text or event.finish_reason is not None or event.logprobs:
-            logprobs = _completion_logprobs(event.logprobs, offsets[index], decode)
-            yield chunk(index, event.text, event.finish_reason and _finish(event), logprobs=logprobs)
+        text, taken = event.text, event.logprobs
+        if not started[index]:  # (its first chunk starts with its prompt, with `echo`)
+            started[index] = True
+            text = text if echoes is None else echoes[index] + text
+            taken = taken if event.prompt_logprobs is None else event.prompt_logprobs + (taken or [])
+        if text or event.finish_reason is not None or taken:
+            logprobs = _completion_logprobs(taken, offsets[index], decode)
+            yield chunk(index, text, event.finish_reason and _finish(event), logprobs=logprobs)
             offsets[index] += sum(map(len, logprobs.tokens)) if logprobs else 0
         if event.finish_reason is not None:
             last[index] = event
@@ -390,13 +409,17 @@ def _chat_logprobs(kind: type[ChoiceLogprobs | ChunkLogprobs], taken: list[Token
 
 def _completion_logprobs(taken: list[TokenLogprob] | None, offset: int, decode: Callable[[int], str]
                          ) -> Logprobs | None:
-    """A completion choice's `logprobs` (the legacy API's columns); `offset`: the text's length before."""
+    """A completion choice's `logprobs` (the legacy API's columns); `offset`: the text's length before.
+    An echoed prompt's first token has none (null, as in the OpenAI API)."""
     if taken is None:
         return None
     tokens = [decode(item.token) for item in taken]
     offsets = list(itertools.accumulate(map(len, tokens), initial=offset))[:len(tokens)]
-    return Logprobs(tokens=tokens, token_logprobs=[item.logprob for item in taken], text_offset=offsets,
-                    top_logprobs=[{decode(token): logprob for token, logprob in item.top} for item in taken])
+    # (`model_construct`: the `openai` type's lists do not take the nulls the API gives)
+    return Logprobs.model_construct(
+        tokens=tokens, token_logprobs=[item.logprob for item in taken], text_offset=offsets,
+        top_logprobs=[None if item.logprob is None else {decode(token): logprob for token, logprob in item.top}
+                      for item in taken])
 
 
 class _RequestFailed(RuntimeError):

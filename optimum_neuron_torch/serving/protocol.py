@@ -4,10 +4,10 @@ Responses are the `openai` package's own types (`ChatCompletion`, `ChatCompletio
 `Completion`, ...): what the official client parses. Requests are validated here, strictly (a
 string where a number goes is refused, not converted), and every refusal names its field, as the
 OpenAI API's error body does (`{"error": {"message", "type", "param", "code"}}`). Fields of the API
-this server does not implement are refused when given a value other than their default, never
-silently ignored; fields the API does not define are ignored with a logged warning, as vLLM does
-(clients send other servers' extensions), but for the extensions taken here (`top_k`, `min_p`,
-`repetition_penalty`, `ignore_eos`).
+this server does not implement (for the kind of request: `echo` is a completion's) are refused when
+given a value other than their default, never silently ignored; fields the API does not define are
+ignored with a logged warning, as vLLM does (clients send other servers' extensions), but for the
+extensions taken here (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import InvalidRequestError
+from ..generation.requests import MAX_LOGPROBS
 
 logger = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 4  # as the OpenAI API
 
 # Fields of the API the server does not implement, with the value that means "not used".
-MAX_LOGPROBS = 20  # the most likely tokens a request may ask the log-probabilities of (as OpenAI's chat API)
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "logit_bias": (None, {}),
     "tools": (None, []),
@@ -105,11 +105,15 @@ class ChatCompletionRequest(_GenerationRequest):
             return None
         return self.top_logprobs or 0
 
+    def prompt_logprobs_asked(self) -> None:
+        return None  # (a chat answer does not echo its prompt)
+
 
 class CompletionRequest(_GenerationRequest):
     # One prompt (text or token ids) or a batch of them (texts, or lists of token ids: lm-eval sends those).
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False  # (the answer starts with the prompt; with `logprobs`, scored: lm-eval's loglikelihood)
 
     def max_new_tokens(self) -> int | None:
         # (the OpenAI API's default for completions is 16 tokens)
@@ -117,6 +121,11 @@ class CompletionRequest(_GenerationRequest):
 
     def logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """How many of the most likely tokens each prompt token's log-probability comes with, or None
+        (the prompt is not scored: no `echo`, or no `logprobs`)."""
+        return self.logprobs if self.echo else None
 
 
 def parse(body: bytes, request_type: type[_GenerationRequest]) -> _GenerationRequest:
@@ -133,7 +142,8 @@ def parse(body: bytes, request_type: type[_GenerationRequest]) -> _GenerationReq
     if not isinstance(data, dict):
         raise InvalidRequestError(f"the request body must be a JSON object, got {type(data).__name__}")
     for name, unused in UNSUPPORTED_FIELDS.items():
-        if name in data and not any(data[name] == value and type(data[name]) is type(value) for value in unused):
+        if name in data and name not in request_type.model_fields and not any(
+                data[name] == value and type(data[name]) is type(value) for value in unused):
             raise InvalidRequestError(f"{name} is not supported by this server; leave it out", name)
     try:
         request = request_type.model_validate(data)
