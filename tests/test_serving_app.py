@@ -29,11 +29,13 @@ from optimum_neuron_torch.errors import InvalidRequestError, ModelNotFoundError,
 from optimum_neuron_torch.generation.buckets import Buckets, engine_plan
 from optimum_neuron_torch.generation.engine import GenerationEngine
 from optimum_neuron_torch.generation.requests import Event, Request, SamplingSettings, TokenLogprob
+from optimum_neuron_torch.serving import answers
 from optimum_neuron_torch.serving import app as serving
 from optimum_neuron_torch.serving.app import build_app
 from optimum_neuron_torch.serving.metrics import ServerMetrics
 from optimum_neuron_torch.serving.protocol import ChatCompletionRequest, CompletionRequest, _type_tag, error_body
 from optimum_neuron_torch.serving.server import run_server
+from optimum_neuron_torch.serving.structured_output import Grammars
 from optimum_neuron_torch.settings import COMPILE_CACHE_ENV
 from tiny_models import VOCAB, chat_tokenizer, greedy_answer, noisy_llama, tiny_tokenizer
 
@@ -68,6 +70,7 @@ class ScriptedEngine:
                                      get_input_embeddings=lambda: torch.nn.Embedding(VOCAB, 1))
         self.ready, self.busy_slots, self.waiting, self.jobs, self.cancelled = threading.Event(), 1, 2, [], []
         self.graphs_unloaded, self.batch_size, self.busy_after, self.scoring = 3, 2, None, False
+        self.eos_token_ids = {TOKENIZER.eos_token_id}
         self.ready.set() if ready else None
         self.device_memory, self.cancel, self.stop = lambda: 123, self.cancelled.append, self.ready.clear
 
@@ -115,8 +118,7 @@ def test_parse_reads_the_fields_and_refuses_bad_ones_naming_them():
         assert refusal(data)[0] is None and refusal(data)[1].startswith(f"the request body {message}"), refusal(data)
     assert [refusal({"messages": USER}), refusal({"model": NAME})] == [
         ("model", "model: Field required"), ("messages", "messages: Field required")]
-    for fields in (dict(echo=True), dict(response_format={"type": "json_object"}), dict(logprobs=None, echo=0),
-                   dict(logit_bias={"1": 2})):
+    for fields in (dict(echo=True), dict(logprobs=None, echo=0), dict(logit_bias={"1": 2})):
         name = next(name for name, value in fields.items() if value is not None)
         assert refusal(chat(**fields)) == (name, f"{name} is not supported by this server; leave it out")
     for fields, param in [(dict(logprobs=1), "logprobs"), (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
@@ -135,6 +137,17 @@ def test_parse_reads_the_fields_and_refuses_bad_ones_naming_them():
                              dict(echo=True, logprobs=3))]
     assert scored == [None, None, None, 0, 3] and parse(chat(logprobs=True)).prompt_logprobs_asked() is None
     assert refusal({"model": NAME, "prompt": "a", "echo": 1}, CompletionRequest)[0] == "echo"
+    for response_format, param in [({"type": "xml"}, "response_format.type"), ({}, "response_format.type"),
+                                   ({"type": "json_schema", "json_schema": {}}, "response_format.json_schema.name"),
+                                   ({"type": "json_schema", "json_schema": {"name": "a", "schema": []}},
+                                    "response_format.json_schema.schema")]:
+        assert refusal(chat(response_format=response_format))[0] == param
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert [parse(chat(**fields)).response_format_given() for fields in (
+        {}, dict(response_format={"type": "json_object"}),
+        dict(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}))
+    ] == [None, {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "a", "schema": schema,
+                                                                                  "strict": True}}]
     body = parse(chat(max_tokens=5, temperature=0.5, top_p=0.9, top_k=-1, seed=-(2**63), stop=list("abcd"),
                       stream=True, stream_options={"include_usage": True}, logprobs=False, echo=False, tools=[]))
     assert (body.model, body.max_tokens, body.temperature, body.top_p, body.top_k, body.seed, body.stream) == (
@@ -163,10 +176,10 @@ def test_type_tags_error_body_check_model_finish_usage_and_sampling_from_the_bod
                                                  r"'tiny-llama' \(GET /v1/models\)$") as caught:
         serving._check_model("other", NAME)
     assert caught.value.param == "model"
-    assert [serving._finish(Event("", 1, reason)) for reason in ("stop", "length")] == ["stop", "length"]
+    assert [answers.finish(Event("", 1, reason)) for reason in ("stop", "length")] == ["stop", "length"]
     with pytest.raises(RuntimeError, match=r"^the serving engine failed during this request: the engine stopped$"):
-        serving._finish(Event("", 1, "error"))
-    assert serving._usage(4, [Event("", 3), Event("", 2, "stop")]) == CompletionUsage(
+        answers.finish(Event("", 1, "error"))
+    assert answers.usage(4, [Event("", 3), Event("", 2, "stop")]) == CompletionUsage(
         prompt_tokens=4, completion_tokens=5, total_tokens=9)
 
     def sampling(config, **fields) -> SamplingSettings:
@@ -217,7 +230,9 @@ def test_events_end_at_the_last_one_of_every_choice_or_when_the_client_goes_and_
 
         client = SimpleNamespace(is_disconnected=is_disconnected)
         engine = ScriptedEngine(events)
-        return await serving._respond(client, engine, ServerMetrics(engine), parse(chat()), [CHAT_IDS], chat=True)
+        grammars = Grammars(TOKENIZER, VOCAB, engine.eos_token_ids)
+        return await serving._respond(client, engine, ServerMetrics(engine), grammars, parse(chat()), [CHAT_IDS],
+                                      chat=True)
 
     assert [asyncio.run(left(events)).status_code for events in ([], EVENTS[:1])] == [499, 499]
     assert asyncio.run(left(EVENTS)).status_code == 200  # (finished before anyone asked)
@@ -730,3 +745,133 @@ def test_a_restarted_server_engine_is_ready_before_loading_the_graphs_it_finds_c
     stats = cache_stats()
     assert (engine.graphs_unloaded, stats.restored, stats.misses, stats.traced) == (graphs - 1, 1, 1, 0)
     assert cache.get(program) is not None
+
+
+@pytest.fixture(scope="module")
+def json_app(tmp_path_factory):
+    """The application over an engine of 1 slot, 64 positions and one prompt bucket (4 graphs), serving a tiny
+    Llama (random weights) over the default model's tokenizer (byte-level BPE, 49152 tokens: what JSON is
+    written in), whose answers end at `<|im_end|>`: (application, CPU model, tokenizer)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ont.default_model_path())
+    cpu_model = noisy_llama(vocab_size=len(tokenizer))
+    cpu_model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    folder = tmp_path_factory.mktemp("json-llama")
+    cpu_model.save_pretrained(folder)
+    model = ont.NeuronAutoModelForCausalLM.from_pretrained(folder)
+    engine = GenerationEngine(model, Buckets.for_slots(model.config, 1, 64, (16,)), tokenizer)
+    engine.start(show_progress=False)
+    engine.wait_ready(timeout=600)
+    yield build_app(engine, NAME), cpu_model, tokenizer
+    engine.stop(60)
+
+
+def grammar_greedy(cpu_model, tokenizer, prompt: list[int], grammar: str, repetition_penalty: float,
+                   max_tokens: int, presence_penalty: float = 0.0) -> list[int]:
+    """Transformers' model on the CPU choosing greedily, after its repetition penalty and the OpenAI API's presence
+    penalty, among the tokens llguidance's matcher of `grammar` allows at each step."""
+    import llguidance.hf
+    import llguidance.torch
+
+    vocab = cpu_model.config.vocab_size
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(
+        tokenizer, n_vocab=vocab, eos_token=cpu_model.generation_config.eos_token_id), grammar)
+    bitmask, ids = llguidance.torch.allocate_token_bitmask(1, vocab), torch.tensor([prompt])
+    penalty = transformers.RepetitionPenaltyLogitsProcessor(repetition_penalty)
+    for _ in range(max_tokens):
+        with torch.no_grad():
+            scores = penalty(ids, cpu_model(ids).logits[:, -1])
+        generated = torch.zeros(vocab).index_fill_(0, ids[0, len(prompt):], 1.0)
+        scores -= presence_penalty * generated
+        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, 0)
+        llguidance.torch.apply_token_bitmask_inplace(scores, bitmask)
+        token = int(scores.argmax(-1))
+        assert matcher.consume_token(token)
+        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+        if token == cpu_model.generation_config.eos_token_id:
+            break
+    return ids[0, len(prompt):].tolist()
+
+
+def test_a_grammar_sampler_penalizes_the_prompt_and_what_it_chose_as_the_step_does():
+    """The host's choice for a grammar: Transformers' repetition penalty over the prompt and the answer, the OpenAI
+    API's presence and frequency penalties over the answer (counted as it goes), the tokens the grammar refuses
+    dropped (every token but a, b and c here); the same draws from the same seed; top-k 1 draws the greedy one."""
+    import llguidance
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ont.default_model_path())
+    grammars, letters = Grammars(tokenizer, len(tokenizer), {tokenizer.eos_token_id}), "abcd"
+    grammar = llguidance.LLMatcher.grammar_from_lark("start: /[abc]+/")
+    ids = [tokenizer.convert_tokens_to_ids(letter) for letter in letters]
+    logits = torch.full((len(tokenizer),), -100.0)
+    logits[ids] = torch.tensor([5.0, 4.6, 4.2, 9.0])  # (d: the most likely, refused by the grammar)
+
+    def expected(prompt: str, repetition: float, presence: float, frequency: float) -> str:
+        counts, chosen = collections.Counter(), ""
+        for _ in range(6):
+            scores = {}
+            for letter, logit in zip("abc", [5.0, 4.6, 4.2], strict=True):
+                if letter in prompt or counts[letter]:
+                    logit = logit / repetition if logit > 0 else logit * repetition
+                scores[letter] = logit - presence * (counts[letter] > 0) - frequency * counts[letter]
+            best = max(scores, key=scores.get)
+            chosen, counts[best] = chosen + best, counts[best] + 1
+        return chosen
+
+    def chosen(prompt: str, generator: torch.Generator | None = None, **settings) -> str:
+        sampler = grammars.sampler(grammar, SamplingSettings(**settings), [ids[letters.index(x)] for x in prompt])
+        return "".join(letters[ids.index(sampler(logits.clone(), generator))] for _ in range(6))
+
+    for prompt, repetition, presence, frequency in [("", 1.0, 0.0, 0.0), ("", 1.0, 1.0, 0.5), ("a", 2.0, 0.0, 0.0),
+                                                    ("b", 1.5, 0.3, 0.2), ("", 1.0, 0.0, 0.3)]:
+        assert chosen(prompt, repetition_penalty=repetition, presence_penalty=presence,
+                      frequency_penalty=frequency) == expected(prompt, repetition, presence, frequency)
+    assert len({chosen("", torch.Generator().manual_seed(seed), temperature=3.0) for seed in range(8)}) > 1
+    assert chosen("", torch.Generator().manual_seed(1), temperature=3.0) == chosen(
+        "", torch.Generator().manual_seed(1), temperature=3.0)
+    assert chosen("", torch.Generator(), temperature=3.0, top_k=1, presence_penalty=1.0) == expected("", 1, 1, 0)
+
+
+def test_answers_held_to_a_json_schema_are_the_cpu_greedy_tokens_the_grammar_allows(json_app):
+    """`response_format` `json_schema` (and `json_object`): each token is the model's greedy one after the request's
+    penalty among those the schema's grammar allows next (the CPU model's, with Transformers' repetition penalty,
+    masked by llguidance), the answer parses and ends (`stop`) where the grammar does; streamed the same; sampled
+    with a seed, it parses and reproduces. A schema the grammar compiler refuses gets 400 naming it."""
+    app, cpu_model, tokenizer = json_app
+    schema = {"type": "object", "properties": {"digit": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "pet": {"enum": ["cat", "dog", "owl"]}},
+              "required": ["digit", "pet"], "additionalProperties": False}
+    prompt = tokenizer("My pet: {\"name\":\"PSC ', synNN\"}. As JSON:").input_ids  # (the penalty changes the name)
+    grammars = Grammars(tokenizer, len(tokenizer), {cpu_model.generation_config.eos_token_id})
+    response_format = {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema}}
+    expected = grammar_greedy(cpu_model, tokenizer, prompt, grammars.grammar(response_format), 1.3, 40)
+    assert expected[-1] == cpu_model.generation_config.eos_token_id
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 40, "repetition_penalty": 1.3, "temperature": 0,
+            "response_format": response_format}
+    choice = call(app, "POST", "/v1/completions", json=body).json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (tokenizer.decode(expected[:-1]), "stop")
+    answer = json.loads(choice["text"])
+    assert set(answer) == {"digit", "pet"} and 0 <= answer["digit"] <= 9 and answer["pet"] in ("cat", "dog", "owl")
+    chunks = sse(call(app, "POST", "/v1/completions", json={**body, "stream": True}))
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == choice["text"]
+    named = {"type": "json_schema", "json_schema": {"name": "name", "schema": {
+        "type": "object", "properties": {"name": {"type": "string", "minLength": 10, "maxLength": 12}},
+        "required": ["name"], "additionalProperties": False}}}  # (free text: the penalty chooses among tokens)
+    expected = grammar_greedy(cpu_model, tokenizer, prompt, grammars.grammar(named), 2.0, 30, 0.5)
+    choice = call(app, "POST", "/v1/completions", json={**body, "max_tokens": 30, "repetition_penalty": 2.0,
+                                                         "presence_penalty": 0.5, "response_format": named}
+                  ).json()["choices"][0]
+    assert choice["text"] == tokenizer.decode(expected[:-1]) and 10 <= len(json.loads(choice["text"])["name"]) <= 12
+    anything = {"type": "json_object"}
+    expected = grammar_greedy(cpu_model, tokenizer, prompt, grammars.grammar(anything), 1.3, 8)
+    choice = call(app, "POST", "/v1/completions", json={**body, "max_tokens": 8, "response_format": anything}
+                  ).json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (tokenizer.decode(expected), "length")  # (cut: no end)
+    assert choice["text"].startswith('{"') and tokenizer.eos_token_id not in expected
+    sampled = [call(app, "POST", "/v1/chat/completions", json={
+        "model": NAME, "messages": USER, "max_tokens": 20, "temperature": 1.0, "seed": seed,
+        "response_format": response_format}).json()["choices"][0]["message"]["content"] for seed in (5, 5, 6)]
+    assert sampled[0] == sampled[1] and all(json.loads(text)["pet"] in ("cat", "dog", "owl") for text in sampled)
+    refused = call(app, "POST", "/v1/completions", json={**body, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "pet", "schema": {"type": "objectx"}}}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format.json_schema.schema"
+    assert "objectx" in refused.json()["error"]["message"]

@@ -23,8 +23,6 @@ import contextlib
 import dataclasses
 import functools
 import hmac
-import itertools
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -32,23 +30,17 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from openai.types import Completion, CompletionChoice, CompletionUsage, Model
-from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage, ChatCompletionTokenLogprob
-from openai.types.chat.chat_completion import Choice as ChatChoice
-from openai.types.chat.chat_completion import ChoiceLogprobs
-from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
-from openai.types.chat.chat_completion_chunk import ChoiceDelta
-from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkLogprobs
-from openai.types.chat.chat_completion_token_logprob import TopLogprob
-from openai.types.completion_choice import Logprobs
+from openai.types import Model
 from starlette.exceptions import HTTPException
 
 from ..errors import InvalidRequestError, ModelNotFoundError, ServerBusyError
 from ..generation.engine import GenerationEngine
-from ..generation.requests import Event, SamplingSettings, TokenLogprob
+from ..generation.requests import Event, SamplingSettings
 from ..generation.requests import Request as EngineRequest
+from . import answers
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body, parse
+from .structured_output import Grammars
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DISCONNECT_POLL_SECONDS = 0.5  # how often a request waiting for its tokens checks that its client is still there
@@ -93,6 +85,7 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
                   dependencies=[Depends(authorize)])
     created = int(time.time())
     metrics = ServerMetrics(engine)
+    grammars = Grammars(engine.tokenizer, engine.model.get_input_embeddings().num_embeddings, engine.eos_token_ids)
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(request: Request, error: InvalidRequestError) -> JSONResponse:
@@ -118,8 +111,8 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
         return JSONResponse(error_body(str(error.detail), "invalid_request_error"), status_code=error.status_code,
                             headers=error.headers)
 
-    @app.exception_handler(_RequestFailed)
-    async def request_failed(request: Request, error: _RequestFailed) -> JSONResponse:
+    @app.exception_handler(answers.RequestFailed)
+    async def request_failed(request: Request, error: answers.RequestFailed) -> JSONResponse:
         return JSONResponse(error_body(f"internal error: {error}", "server_error"), status_code=500)
 
     @app.exception_handler(Exception)
@@ -155,7 +148,7 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
     async def chat_completions(request: Request) -> Any:
         body = parse(await _read_body(request, max_body_bytes), ChatCompletionRequest)
         _check_model(body.model, model_name)
-        return await _respond(request, engine, metrics, body, [_chat_prompt(engine, body)], chat=True)
+        return await _respond(request, engine, metrics, grammars, body, [_chat_prompt(engine, body)], chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -164,7 +157,7 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
         prompts, texts = _completion_prompts(engine, body)
         echoes = [engine.tokenizer.decode(ids) if text is None else text
                   for ids, text in zip(prompts, texts, strict=True)] if body.echo else None
-        return await _respond(request, engine, metrics, body, prompts, chat=False, echoes=echoes)
+        return await _respond(request, engine, metrics, grammars, body, prompts, chat=False, echoes=echoes)
 
     return app
 
@@ -238,11 +231,16 @@ def _sampling(engine: GenerationEngine, body: ChatCompletionRequest | Completion
         seed=body.seed)
 
 
-async def _respond(request: Request, engine: GenerationEngine, metrics: ServerMetrics,
-                   body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], chat: bool,
-                   echoes: list[str] | None = None) -> Any:
-    """Submits a request per choice to the engine and answers: streamed, or whole once they finish
-    (each completion after its prompt's text, `echoes`, if given)."""
+def _engine_requests(engine: GenerationEngine, grammars: Grammars, body: ChatCompletionRequest | CompletionRequest,
+                     prompts: list[list[int]], on_event: Callable[[int], Callable[[Event], None]]
+                     ) -> list[EngineRequest]:
+    """An engine request per choice (`n` per prompt; with a `seed`, choice `j` samples with `seed + j`);
+    held to the request's `response_format`, each chooses its tokens on the host (`structured_output`).
+
+    Raises:
+        InvalidRequestError: `n` beyond the slots, `echo` with `logprobs` on an engine that does not
+            score prompts, or a `response_format` that is no grammar (names the field).
+    """
     n = body.n or 1
     if n > engine.batch_size:
         raise InvalidRequestError(f"n is {n}, above the {engine.batch_size} choices this server computes at once "
@@ -251,16 +249,34 @@ async def _respond(request: Request, engine: GenerationEngine, metrics: ServerMe
     if scored is not None and not engine.scoring:
         raise InvalidRequestError("echo with logprobs scores the prompt, which needs its own graphs: start the "
                                   "server with --prompt-logprobs", "echo")
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
-    sampling, eos, logprobs = _sampling(engine, body), set() if body.ignore_eos else None, body.logprobs_asked()
+    grammar = grammars.grammar(body.response_format_given())
+    if grammar is not None and body.ignore_eos:
+        raise InvalidRequestError("ignore_eos: an answer held to a response_format ends where its grammar does",
+                                  "ignore_eos")
+    sampling, eos = _sampling(engine, body), set() if body.ignore_eos else None
     jobs = []
     for index in range(len(prompts) * n):
         seed = sampling.seed if sampling.seed is None else (sampling.seed + index % n + 2**63) % 2**64 - 2**63
-        prompt = prompts[index // n]
-        on_event = metrics.track(0 if index % n else len(prompt), functools.partial(_put, loop, queue, index))
-        jobs.append(EngineRequest(prompt, body.max_new_tokens(), dataclasses.replace(sampling, seed=seed),
-                                  body.stop_strings(), on_event, eos, logprobs=logprobs, prompt_logprobs=scored))
+        prompt, own = prompts[index // n], dataclasses.replace(sampling, seed=seed)
+        choose = None if grammar is None else grammars.sampler(grammar, own, prompt)
+        # (chosen on the host, the row runs greedily on the device, its token not taken: the graphs of every row)
+        device = own if choose is None else SamplingSettings(seed=seed)
+        jobs.append(EngineRequest(prompt, body.max_new_tokens(), device, body.stop_strings(), on_event(index), eos,
+                                  choose=choose,
+                                  logprobs=body.logprobs_asked(), prompt_logprobs=scored))
+    return jobs
+
+
+async def _respond(request: Request, engine: GenerationEngine, metrics: ServerMetrics, grammars: Grammars,
+                   body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], chat: bool,
+                   echoes: list[str] | None = None) -> Any:
+    """Submits a request per choice to the engine and answers: streamed, or whole once they finish
+    (each completion after its prompt's text, `echoes`, if given)."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
+    n = body.n or 1
+    jobs = _engine_requests(engine, grammars, body, prompts, lambda index: metrics.track(
+        0 if index % n else len(prompts[index // n]), functools.partial(_put, loop, queue, index)))
     try:
         for index, job in enumerate(jobs):
             field = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt.{index // n}"
@@ -269,41 +285,18 @@ async def _respond(request: Request, engine: GenerationEngine, metrics: ServerMe
         for job in jobs:
             engine.cancel(job)
         raise
-    identity = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    created = int(time.time())
+    answer = answers.Answer(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), body.model,
+                            len(jobs), sum(map(len, prompts)), functools.partial(answers.token_text, engine.tokenizer),
+                            body.include_usage(), body.logprobs_asked() is not None,
+                            None if echoes is None else [echoes[index // n] for index in range(len(jobs))])
     events = _events(request, engine, jobs, queue)
-    prompt_tokens = sum(map(len, prompts))
-    decode = functools.partial(_token_text, engine.tokenizer)
-    echoes = None if echoes is None else [echoes[index // n] for index in range(len(jobs))]  # (per choice)
     if body.stream:
-        chunks = (_chat_chunks(events, len(jobs), identity, created, body.model, prompt_tokens, body.include_usage(),
-                               decode) if chat else
-                  _completion_chunks(events, len(jobs), identity, created, body.model, prompt_tokens,
-                                     body.include_usage(), decode, echoes))
-        return StreamingResponse(_sse(chunks), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    texts, last, tokens = [[] if echoes is None else [echoes[index]] for index in range(len(jobs))], \
-        [None] * len(jobs), [[] for _ in jobs]
-    async for index, event in events:
-        texts[index].append(event.text)
-        tokens[index] += (event.prompt_logprobs or []) + (event.logprobs or [])
-        last[index] = event
-    if any(event is None or event.finish_reason is None for event in last):  # the client went away: nobody to answer
+        chunks = answer.chat_chunks(events) if chat else answer.completion_chunks(events)
+        return StreamingResponse(answers.sse(chunks), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    response = await answer.whole(events, chat)
+    if response is None:  # the client went away: nobody to answer
         return Response(status_code=499)  # (nginx's 499)
-    usage = _usage(prompt_tokens, last)
-    answers = [("".join(text), _finish(event), taken if logprobs is not None else None)
-               for text, event, taken in zip(texts, last, tokens, strict=True)]
-    if chat:  # (`logprobs` left unset unless asked)
-        choices = [ChatChoice(index=index, message=ChatCompletionMessage(role="assistant", content=text),
-                              finish_reason=finish, **_given(logprobs=_chat_logprobs(ChoiceLogprobs, taken, decode)))
-                   for index, (text, finish, taken) in enumerate(answers)]
-        response = ChatCompletion(id=identity, created=created, model=body.model, object="chat.completion",
-                                  choices=choices, usage=usage)
-    else:
-        choices = [CompletionChoice(index=index, text=text, finish_reason=finish,
-                                    **_given(logprobs=_completion_logprobs(taken, 0, decode)))
-                   for index, (text, finish, taken) in enumerate(answers)]
-        response = Completion(id=identity, created=created, model=body.model, object="text_completion",
-                              choices=choices, usage=usage)
     return JSONResponse(response.model_dump(mode="json", exclude_unset=True))
 
 
@@ -330,121 +323,3 @@ async def _events(request: Request, engine: GenerationEngine, jobs: list[EngineR
     finally:
         for job in jobs:
             engine.cancel(job)
-
-
-async def _chat_chunks(events: AsyncIterator[tuple[int, Event]], choices: int, identity: str, created: int,
-                       model: str, prompt_tokens: int, include_usage: bool,
-                       decode: Callable[[int], str]) -> AsyncIterator[ChatCompletionChunk]:
-    def chunk(index: int | None, delta: ChoiceDelta | None = None, finish: str | None = None,
-              usage: CompletionUsage | None = None, logprobs: list[TokenLogprob] | None = None) -> ChatCompletionChunk:
-        found = _chat_logprobs(ChunkLogprobs, logprobs, decode) if logprobs else None
-        choices = [] if index is None else [ChunkChoice(index=index, delta=delta, finish_reason=finish,
-                                                        **_given(logprobs=found))]
-        return ChatCompletionChunk(id=identity, created=created, model=model, object="chat.completion.chunk",
-                                   choices=choices, **({"usage": usage} if usage else {}))
-
-    for index in range(choices):
-        yield chunk(index, ChoiceDelta(role="assistant", content=""))
-    last = [None] * choices
-    async for index, event in events:
-        if event.text or event.logprobs:
-            yield chunk(index, ChoiceDelta(content=event.text), logprobs=event.logprobs)
-        if event.finish_reason is not None:
-            yield chunk(index, ChoiceDelta(), _finish(event))
-            last[index] = event
-    if include_usage and all(last):
-        yield chunk(None, usage=_usage(prompt_tokens, last))
-
-
-async def _completion_chunks(events: AsyncIterator[tuple[int, Event]], choices: int, identity: str, created: int,
-                             model: str, prompt_tokens: int, include_usage: bool, decode: Callable[[int], str],
-                             echoes: list[str] | None) -> AsyncIterator[Completion]:
-    def chunk(index: int | None, text: str = "", finish: str | None = None, usage: CompletionUsage | None = None,
-              logprobs: Logprobs | None = None) -> Completion:
-        # (`model_construct`: the `openai` type wants a finish reason, which a chunk before the last has not)
-        choices = [] if index is None else [CompletionChoice.model_construct(index=index, text=text, logprobs=logprobs,
-                                                                              finish_reason=finish)]
-        return Completion(id=identity, created=created, model=model, object="text_completion", choices=choices,
-                          **({"usage": usage} if usage else {}))
-
-    last, offsets, started = [None] * choices, [0] * choices, [False] * choices
-    async for index, event in events:
-        text, taken = event.text, event.logprobs
-        if not started[index]:  # (its first chunk starts with its prompt, with `echo`)
-            started[index] = True
-            text = text if echoes is None else echoes[index] + text
-            taken = taken if event.prompt_logprobs is None else event.prompt_logprobs + (taken or [])
-        if text or event.finish_reason is not None or taken:
-            logprobs = _completion_logprobs(taken, offsets[index], decode)
-            yield chunk(index, text, event.finish_reason and _finish(event), logprobs=logprobs)
-            offsets[index] += sum(map(len, logprobs.tokens)) if logprobs else 0
-        if event.finish_reason is not None:
-            last[index] = event
-    if include_usage and all(last):
-        yield chunk(None, usage=_usage(prompt_tokens, last))
-
-
-def _given(**fields: Any) -> dict[str, Any]:
-    """The fields whose value is not None (the others stay unset in the answer, as before they existed)."""
-    return {name: value for name, value in fields.items() if value is not None}
-
-
-def _token_text(tokenizer: Any, token: int) -> str:
-    return tokenizer.decode([token])
-
-
-def _chat_logprobs(kind: type[ChoiceLogprobs | ChunkLogprobs], taken: list[TokenLogprob] | None,
-                   decode: Callable[[int], str]) -> ChoiceLogprobs | ChunkLogprobs | None:
-    """A chat choice's `logprobs`: each token's text, bytes and log-probability, with the most likely ones."""
-    if taken is None:
-        return None
-
-    def entry(token: int) -> dict[str, Any]:
-        text = decode(token)
-        return {"token": text, "bytes": list(text.encode())}
-
-    return kind(content=[ChatCompletionTokenLogprob(**entry(item.token), logprob=item.logprob, top_logprobs=[
-        TopLogprob(**entry(token), logprob=logprob) for token, logprob in item.top]) for item in taken])
-
-
-def _completion_logprobs(taken: list[TokenLogprob] | None, offset: int, decode: Callable[[int], str]
-                         ) -> Logprobs | None:
-    """A completion choice's `logprobs` (the legacy API's columns); `offset`: the text's length before.
-    An echoed prompt's first token has none (null, as in the OpenAI API)."""
-    if taken is None:
-        return None
-    tokens = [decode(item.token) for item in taken]
-    offsets = list(itertools.accumulate(map(len, tokens), initial=offset))[:len(tokens)]
-    # (`model_construct`: the `openai` type's lists do not take the nulls the API gives)
-    return Logprobs.model_construct(
-        tokens=tokens, token_logprobs=[item.logprob for item in taken], text_offset=offsets,
-        top_logprobs=[None if item.logprob is None else {decode(token): logprob for token, logprob in item.top}
-                      for item in taken])
-
-
-class _RequestFailed(RuntimeError):
-    """The engine failed one of the request's choices (its last event says why)."""
-
-
-def _finish(event: Event) -> str:
-    if event.finish_reason == "error":
-        raise _RequestFailed(f"the serving engine failed during this request: {event.error or 'the engine stopped'}")
-    return event.finish_reason
-
-
-def _usage(prompt_tokens: int, last: list[Event]) -> CompletionUsage:
-    """The usage of a request: its prompts' tokens (once each, whatever `n`), every choice's tokens."""
-    completion_tokens = sum(event.completion_tokens for event in last)
-    return CompletionUsage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                           total_tokens=prompt_tokens + completion_tokens)
-
-
-async def _sse(chunks: AsyncIterator[ChatCompletionChunk | Completion]) -> AsyncIterator[str]:
-    """Server-sent events: one `data:` line per chunk, then `data: [DONE]`; a request the engine failed
-    part-way ends with an error event (the OpenAI error body), as vLLM's streams do."""
-    try:
-        async for chunk in chunks:
-            yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
-    except _RequestFailed as error:
-        yield f"data: {json.dumps(error_body(f'internal error: {error}', 'server_error'))}\n\n"
-    yield "data: [DONE]\n\n"

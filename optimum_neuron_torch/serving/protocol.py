@@ -31,7 +31,6 @@ UNSUPPORTED_FIELDS: dict[str, Any] = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -55,6 +54,18 @@ class Message(_Strict):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
+class JsonSchema(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # (`schema` is pydantic's own)
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -76,6 +87,7 @@ class _GenerationRequest(_Strict):
     n: int | None = Field(default=None, ge=1, le=2**31 - 1)  # (choices per prompt: at most the slots, see `app`)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None  # (answers held to JSON: see `structured_output`)
     user: str | None = None
 
     def stop_strings(self) -> list[str]:
@@ -86,6 +98,10 @@ class _GenerationRequest(_Strict):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def response_format_given(self) -> dict[str, Any] | None:
+        """`response_format` as the client gave it (the OpenAI API's names), or None."""
+        return self.response_format and self.response_format.model_dump(by_alias=True, exclude_none=True)
 
 
 class ChatCompletionRequest(_GenerationRequest):
