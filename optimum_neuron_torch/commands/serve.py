@@ -25,10 +25,11 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int 
           max_length: int | None = None,
           prompt_buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
           api_key: str | None = None, tp_size: int = 1, dtype: str | None = None,
-          prompt_logprobs: bool = False) -> None:
+          prompt_logprobs: bool = False, tool_call_parser: str | None = None) -> None:
     """Serves `model_id` (default: the library's default model) until SIGTERM or Ctrl-C; clients
     name it `model_id` (or `DEFAULT_MODEL`, `SmolLM2-135M-Instruct`). The engine runs `serving_buckets`,
-    with the graphs that score prompts if `prompt_logprobs`.
+    with the graphs that score prompts if `prompt_logprobs`; tool calls read by `tool_call_parser`
+    (default: the format the chat template names).
 
     Raises:
         MissingDependencyError: FastAPI, uvicorn or openai is not installed (the `serve` extra).
@@ -55,7 +56,7 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int 
         return
     run_server(engine, model_id or DEFAULT_MODEL,  # (what clients call the default model)
                host=host, port=port, drain_seconds=DRAIN_SECONDS,
-               api_key=api_key if api_key is not None else settings.serving_api_key())
+               api_key=api_key if api_key is not None else settings.serving_api_key(), tool_parser=tool_call_parser)
 
 
 def serving_buckets(model: PreTrainedModel, *, batch_size: int | None = None, max_length: int | None = None,

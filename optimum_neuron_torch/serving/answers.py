@@ -10,17 +10,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from openai.types import Completion, CompletionChoice, CompletionUsage
-from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage, ChatCompletionTokenLogprob
+from openai.types.chat import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionMessage,
+    ChatCompletionMessageToolCall,
+    ChatCompletionTokenLogprob,
+)
 from openai.types.chat.chat_completion import Choice as ChatChoice
 from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
-from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from openai.types.chat.chat_completion_chunk import ChoiceDelta, ChoiceDeltaToolCall, ChoiceDeltaToolCallFunction
 from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkLogprobs
 from openai.types.chat.chat_completion_token_logprob import TopLogprob
 from openai.types.completion_choice import Logprobs
 
 from ..generation.requests import Event, TokenLogprob
 from .protocol import error_body
+from .tool_calls import ToolChoice
 
 
 @dataclass
@@ -38,6 +45,8 @@ class Answer:
         include_usage (`bool`): whether a stream ends with a chunk of the usage.
         logprobs (`bool`): whether each choice has its tokens' log-probabilities.
         echoes (`list[str]`, *optional*): per choice, the prompt's text its completion starts with.
+        tools (`ToolChoice`, *optional*): how a chat answer's text calls tools; such an answer's text is
+            read once it ends (streamed: in one delta, before its finish reason).
     """
 
     identity: str
@@ -49,6 +58,15 @@ class Answer:
     include_usage: bool = False
     logprobs: bool = False
     echoes: list[str] | None = None
+    tools: ToolChoice | None = None
+
+    def message(self, text: str, reason: str) -> tuple[str | None, list[ChatCompletionMessageToolCall], str]:
+        """A chat answer's content, tool calls and finish reason (`tool_calls` if it calls any, unless
+        the request named the function, as the OpenAI API answers), from its `text`."""
+        if self.tools is None:
+            return text, [], reason
+        content, calls = self.tools.read(text)
+        return content, calls, "tool_calls" if calls and self.tools.mode != "named" and reason == "stop" else reason
 
     async def whole(self, events: AsyncIterator[tuple[int, Event]], chat: bool) -> ChatCompletion | Completion | None:
         """The whole answer once every choice had its last event, or None if the client went away."""
@@ -62,11 +80,14 @@ class Answer:
             return None
         done = [("".join(text), finish(event), taken if self.logprobs else None)
                 for text, event, taken in zip(texts, last, tokens, strict=True)]
-        if chat:  # (`logprobs` left unset unless asked)
-            choices = [ChatChoice(index=index, message=ChatCompletionMessage(role="assistant", content=text),
-                                  finish_reason=reason,
-                                  **given(logprobs=chat_logprobs(ChoiceLogprobs, taken, self.decode)))
-                       for index, (text, reason, taken) in enumerate(done)]
+        if chat:  # (`logprobs` and `tool_calls` left unset unless there are some)
+            choices = []
+            for index, (text, reason, taken) in enumerate(done):
+                content, calls, reason = self.message(text, reason)
+                choices.append(ChatChoice(
+                    index=index, message=ChatCompletionMessage(role="assistant", content=content,
+                                                               **given(tool_calls=calls or None)),
+                    finish_reason=reason, **given(logprobs=chat_logprobs(ChoiceLogprobs, taken, self.decode))))
             return ChatCompletion(id=self.identity, created=self.created, model=self.model, object="chat.completion",
                                   choices=choices, usage=usage(self.prompt_tokens, last))
         choices = [CompletionChoice(index=index, text=text, finish_reason=reason,
@@ -88,12 +109,21 @@ class Answer:
 
         for index in range(self.choices):
             yield chunk(index, ChoiceDelta(role="assistant", content=""))
-        last = [None] * self.choices
+        last, held = [None] * self.choices, [("", []) for _ in range(self.choices)]  # (what `tools` reads at the end)
         async for index, event in events:
-            if event.text or event.logprobs:
+            if self.tools is not None:
+                held[index] = (held[index][0] + event.text, held[index][1] + (event.logprobs or []))
+            elif event.text or event.logprobs:
                 yield chunk(index, ChoiceDelta(content=event.text), logprobs=event.logprobs)
             if event.finish_reason is not None:
-                yield chunk(index, ChoiceDelta(), finish(event))
+                reason = finish(event)
+                if self.tools is not None:
+                    content, calls, reason = self.message(held[index][0], reason)
+                    yield chunk(index, ChoiceDelta(content=content, tool_calls=[ChoiceDeltaToolCall(
+                        index=position, id=call.id, type="function", function=ChoiceDeltaToolCallFunction(
+                            name=call.function.name, arguments=call.function.arguments))
+                        for position, call in enumerate(calls)] or None), logprobs=held[index][1] or None)
+                yield chunk(index, ChoiceDelta(), reason)
                 last[index] = event
         if self.include_usage and all(last):
             yield chunk(None, total=usage(self.prompt_tokens, last))

@@ -41,6 +41,7 @@ from . import answers
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest, error_body, parse
 from .structured_output import Grammars
+from .tool_calls import ToolChoice, parser_of_template, tool_choice
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DISCONNECT_POLL_SECONDS = 0.5  # how often a request waiting for its tokens checks that its client is still there
@@ -48,7 +49,7 @@ STARTING_RETRY_SECONDS = 5  # the Retry-After of a 503 while the graphs compile 
 
 
 def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_parser: str | None = None) -> FastAPI:
     """The server's FastAPI application over `engine`, which the caller starts (`/health` answers 503
     until its graphs are ready); the application's shutdown stops it (letting the requests running
     finish).
@@ -58,6 +59,8 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
         model_name (`str`): the name clients give as `model` (and `/v1/models` lists).
         api_key (`str`, *optional*): the key every route but `/health` wants.
         max_body_bytes (`int`): the largest request body taken.
+        tool_parser (`str`, *optional*): how answers write their tool calls (`tool_calls.PARSERS`);
+            default: the format the chat template's text names, if any.
 
     Example:
 
@@ -86,6 +89,7 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
     created = int(time.time())
     metrics = ServerMetrics(engine)
     grammars = Grammars(engine.tokenizer, engine.model.get_input_embeddings().num_embeddings, engine.eos_token_ids)
+    parser = tool_parser or parser_of_template(getattr(engine.tokenizer, "chat_template", None))
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(request: Request, error: InvalidRequestError) -> JSONResponse:
@@ -148,7 +152,11 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
     async def chat_completions(request: Request) -> Any:
         body = parse(await _read_body(request, max_body_bytes), ChatCompletionRequest)
         _check_model(body.model, model_name)
-        return await _respond(request, engine, metrics, grammars, body, [_chat_prompt(engine, body)], chat=True)
+        tools = body.tools_given()
+        choice = tool_choice(tools, body.tool_choice_given(), parser, body.parallel_tool_calls is not False)
+        grammar = _chat_grammar(grammars, body, tools, choice)
+        return await _respond(request, engine, metrics, grammars, body, [_chat_prompt(engine, body, tools)],
+                              chat=True, grammar=grammar, tools=choice)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -157,7 +165,8 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
         prompts, texts = _completion_prompts(engine, body)
         echoes = [engine.tokenizer.decode(ids) if text is None else text
                   for ids, text in zip(prompts, texts, strict=True)] if body.echo else None
-        return await _respond(request, engine, metrics, grammars, body, prompts, chat=False, echoes=echoes)
+        return await _respond(request, engine, metrics, grammars, body, prompts, chat=False, echoes=echoes,
+                              grammar=grammars.grammar(body.response_format_given()))
 
     return app
 
@@ -181,13 +190,37 @@ def _check_model(name: str, served: str) -> None:
         raise ModelNotFoundError(f"model {name!r} is not served here; this server serves {served!r} (GET /v1/models)")
 
 
-def _chat_prompt(engine: GenerationEngine, body: ChatCompletionRequest) -> list[int]:
+def _chat_prompt(engine: GenerationEngine, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None
+                 ) -> list[int]:
+    """The prompt of the chat's messages, showing the model its `tools` (its chat template's way)."""
     tokenizer = engine.tokenizer
     if not tokenizer.chat_template:
         raise InvalidRequestError("this model's tokenizer has no chat template: use /v1/completions", "messages")
-    messages = [{"role": message.role, "content": message.text()} for message in body.messages]
-    encoding = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    messages = [message.for_template() for message in body.messages]
+    encoding = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)
     return list(encoding["input_ids"])
+
+
+def _chat_grammar(grammars: Grammars, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
+                  choice: ToolChoice | None) -> str | None:
+    """The grammar the chat's answer is held to: its tool choice's (`required`, a named function), or
+    its `response_format`'s, or None.
+
+    Raises:
+        InvalidRequestError: a tool's parameters that are no JSON schema, or a `response_format`
+            beside a tool choice that holds the answer to a grammar (names the field).
+    """
+    for index, tool in enumerate(tools or []):  # (each tool's parameters: a JSON schema, whatever the choice)
+        grammars.schema(tool["function"].get("parameters") or {"type": "object"}, f"tools.{index}.function.parameters",
+                        for_answers=False)
+    schema = choice.schema(tools) if choice is not None else None
+    if schema is None:
+        return grammars.grammar(body.response_format_given())
+    if (body.response_format_given() or {}).get("type", "text") != "text":
+        raise InvalidRequestError(f"response_format: the answer is held to the tool_choice {choice.mode}'s grammar; "
+                                  "leave one of them out", "response_format")
+    return grammars.schema(schema, "tool_choice")
 
 
 def _completion_prompts(engine: GenerationEngine, body: CompletionRequest) -> tuple[list[list[int]],
@@ -232,14 +265,14 @@ def _sampling(engine: GenerationEngine, body: ChatCompletionRequest | Completion
 
 
 def _engine_requests(engine: GenerationEngine, grammars: Grammars, body: ChatCompletionRequest | CompletionRequest,
-                     prompts: list[list[int]], on_event: Callable[[int], Callable[[Event], None]]
-                     ) -> list[EngineRequest]:
+                     prompts: list[list[int]], on_event: Callable[[int], Callable[[Event], None]],
+                     grammar: str | None) -> list[EngineRequest]:
     """An engine request per choice (`n` per prompt; with a `seed`, choice `j` samples with `seed + j`);
-    held to the request's `response_format`, each chooses its tokens on the host (`structured_output`).
+    held to a `grammar`, each chooses its tokens on the host (`structured_output`).
 
     Raises:
         InvalidRequestError: `n` beyond the slots, `echo` with `logprobs` on an engine that does not
-            score prompts, or a `response_format` that is no grammar (names the field).
+            score prompts, or `ignore_eos` with a grammar (names the field).
     """
     n = body.n or 1
     if n > engine.batch_size:
@@ -249,7 +282,6 @@ def _engine_requests(engine: GenerationEngine, grammars: Grammars, body: ChatCom
     if scored is not None and not engine.scoring:
         raise InvalidRequestError("echo with logprobs scores the prompt, which needs its own graphs: start the "
                                   "server with --prompt-logprobs", "echo")
-    grammar = grammars.grammar(body.response_format_given())
     if grammar is not None and body.ignore_eos:
         raise InvalidRequestError("ignore_eos: an answer held to a response_format ends where its grammar does",
                                   "ignore_eos")
@@ -269,14 +301,16 @@ def _engine_requests(engine: GenerationEngine, grammars: Grammars, body: ChatCom
 
 async def _respond(request: Request, engine: GenerationEngine, metrics: ServerMetrics, grammars: Grammars,
                    body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], chat: bool,
-                   echoes: list[str] | None = None) -> Any:
+                   echoes: list[str] | None = None, grammar: str | None = None, tools: ToolChoice | None = None
+                   ) -> Any:
     """Submits a request per choice to the engine and answers: streamed, or whole once they finish
-    (each completion after its prompt's text, `echoes`, if given)."""
+    (each completion after its prompt's text, `echoes`, if given; each chat answer held to `grammar`,
+    if given, its tool calls read as `tools` says)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
     n = body.n or 1
     jobs = _engine_requests(engine, grammars, body, prompts, lambda index: metrics.track(
-        0 if index % n else len(prompts[index // n]), functools.partial(_put, loop, queue, index)))
+        0 if index % n else len(prompts[index // n]), functools.partial(_put, loop, queue, index)), grammar)
     try:
         for index, job in enumerate(jobs):
             field = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt.{index // n}"
@@ -288,7 +322,7 @@ async def _respond(request: Request, engine: GenerationEngine, metrics: ServerMe
     answer = answers.Answer(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), body.model,
                             len(jobs), sum(map(len, prompts)), functools.partial(answers.token_text, engine.tokenizer),
                             body.include_usage(), body.logprobs_asked() is not None,
-                            None if echoes is None else [echoes[index // n] for index in range(len(jobs))])
+                            None if echoes is None else [echoes[index // n] for index in range(len(jobs))], tools)
     events = _events(request, engine, jobs, queue)
     if body.stream:
         chunks = answer.chat_chunks(events) if chat else answer.completion_chunks(events)

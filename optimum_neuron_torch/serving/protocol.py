@@ -28,8 +28,6 @@ MAX_STOP_STRINGS = 4  # as the OpenAI API
 # Fields of the API the server does not implement, with the value that means "not used".
 UNSUPPORTED_FIELDS: dict[str, Any] = {
     "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "echo": (None, False),
     "best_of": (None, 1),
@@ -46,12 +44,66 @@ class TextPart(_Strict):
     text: str
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # (JSON, as the API gives it)
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # (None: an assistant's message of tool calls)
+    tool_calls: list[ToolCall] | None = None  # (an assistant's)
+    tool_call_id: str | None = None  # (a tool's answer: to which call)
+    name: str | None = None
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: its tool calls' arguments as objects (as
+        Transformers' templates and vLLM give them), the fields it has."""
+        message = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": _json_or_text(call.function.arguments)}}
+                for call in self.tool_calls]
+        return message | {name: getattr(self, name) for name in ("tool_call_id", "name") if getattr(self, name)}
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # (a JSON schema of its arguments)
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class JsonSchema(_Strict):
@@ -109,6 +161,17 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = None  # (see `tool_calls`)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tools_given(self) -> list[dict[str, Any]] | None:
+        """The tools, as the client gave them (the OpenAI API's names), or None."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    def tool_choice_given(self) -> str | dict[str, Any] | None:
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -54,20 +54,37 @@ class Grammars:
         kind = (response_format or {}).get("type", "text")
         if kind == "text":
             return None
-        matcher = _llguidance().LLMatcher
         if kind == "json_object":
-            schema, field = {"type": "object"}, f"{field}.type"
-        elif not response_format.get("json_schema"):
+            return self.schema({"type": "object"}, f"{field}.type")
+        if not response_format.get("json_schema"):
             raise InvalidRequestError(f"{field}.json_schema: required with the type json_schema",
                                       f"{field}.json_schema")
-        else:
-            schema, field = response_format["json_schema"].get("schema") or {}, f"{field}.json_schema.schema"
+        return self.schema(response_format["json_schema"].get("schema") or {}, f"{field}.json_schema.schema")
+
+    def schema(self, schema: dict[str, Any], field: str, for_answers: bool = True) -> str:
+        """The grammar of the JSON values `schema` (a JSON schema) allows, checked against the
+        tokenizer if answers are to be held to it (`for_answers`), else on its own.
+
+        Raises:
+            InvalidRequestError: a schema the grammar's compiler does not take, or (`for_answers`) a
+                tokenizer llguidance cannot read (names `field`).
+            MissingDependencyError: llguidance is not installed.
+        """
+        matcher = _llguidance().LLMatcher
         refused = f"{field}: not a JSON schema the grammar compiler takes"
         try:
             grammar = matcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)
         except (ValueError, TypeError) as error:  # (llguidance raises on a schema it cannot read at all)
             raise InvalidRequestError(f"{refused}: {error}", field) from None
-        failed, messages = matcher.validate_grammar_with_warnings(grammar, self._tokenizer())
+        tokenizer = None
+        if for_answers:
+            try:
+                tokenizer = self._tokenizer()
+            except ValueError as error:  # (llguidance reads byte-level BPE and SentencePiece tokenizers)
+                raise InvalidRequestError(f"{field}: this model's tokenizer is not one the grammar library "
+                                          f"(llguidance) reads, so answers cannot be held to a grammar: {error}",
+                                          field) from None
+        failed, messages = matcher.validate_grammar_with_warnings(grammar, tokenizer)
         if failed:
             raise InvalidRequestError(f"{refused}: {messages[0]}", field)
         return grammar

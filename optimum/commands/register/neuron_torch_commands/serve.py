@@ -51,6 +51,9 @@ class ServeCommand(LibraryCommand):
                             help="Let completions score their prompt (`echo` with `logprobs`, as lm-eval's "
                                  "loglikelihood tasks ask): compiles a scoring prefill per prompt bucket and chunk "
                                  "too (sharing all but its head with the prefill of its shape).")
+        parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json", "mistral"),
+                            help="How the model writes tool calls, which answers to requests with `tools` are read "
+                                 "for (default: the format its chat template names, if any).")
         parser.add_argument("--api-key",
                             help="Clients must send `Authorization: Bearer KEY` (default: the environment variable "
                                  "OPTIMUM_NEURON_TORCH_API_KEY; none: no key needed).")
@@ -69,6 +72,6 @@ class ServeCommand(LibraryCommand):
             return launch(args.tp_size, sys.argv[1:], drain_seconds=DRAIN_SECONDS + 30)
         serve(args.model, host=args.host, port=args.port, batch_size=args.batch_size, max_length=args.max_length,
               prompt_buckets=args.prompt_buckets, prefill_budget=args.prefill_budget, api_key=args.api_key,
-              prompt_logprobs=args.prompt_logprobs,
+              prompt_logprobs=args.prompt_logprobs, tool_call_parser=args.tool_call_parser,
               tp_size=args.tp_size, dtype=args.dtype)
         return 0
