@@ -8,40 +8,59 @@ device calls it sends them (`generation.split_model.StepBroadcast`).
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedModel
 
 from .. import settings
-from ..errors import MissingDependencyError
+from ..errors import ConfigurationError, MissingDependencyError
 from ..generation.buckets import Buckets
 from ..loading import DEFAULT_MODEL, default_model_path
+from ..modeling import NeuronAutoModel
+from ..pipelines.tasks import default_model
 from .launch import is_first_rank
 from .models import load_generative_model
 
 DRAIN_SECONDS = 120  # after SIGTERM, how long the requests running may take to finish
+DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"  # (what clients call the default embedding model)
 
 
 def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int | None = None,
           max_length: int | None = None,
           prompt_buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
           api_key: str | None = None, tp_size: int = 1, dtype: str | None = None,
-          prompt_logprobs: bool = False, tool_call_parser: str | None = None) -> None:
-    """Serves `model_id` (default: the library's default model) until SIGTERM or Ctrl-C; clients
-    name it `model_id` (or `DEFAULT_MODEL`, `SmolLM2-135M-Instruct`). The engine runs `serving_buckets`,
-    with the graphs that score prompts if `prompt_logprobs`; tool calls read by `tool_call_parser`
-    (default: the format the chat template names).
+          prompt_logprobs: bool = False, tool_call_parser: str | None = None, task: str | None = None) -> None:
+    """Serves `model_id` (default: the library's default model, or with `task="embed"` the packaged
+    all-MiniLM-L6-v2) until SIGTERM or Ctrl-C; clients name it `model_id` (or its default's name).
+    `task` is `generate` (chat and completions: the engine runs `serving_buckets`, with the graphs
+    that score prompts if `prompt_logprobs`; tool calls read by `tool_call_parser`, default: the
+    format the chat template names) or `embed` (`/v1/embeddings`, see `serving.embedding_engine`);
+    default: `embed` for a sentence-transformers folder, else `generate`.
 
     Raises:
         MissingDependencyError: FastAPI, uvicorn or openai is not installed (the `serve` extra).
-        ConfigurationError: a model the engine cannot serve (names why).
+        ConfigurationError: a model the engine cannot serve (names why), or an embedding model split
+            between ranks.
     """
     try:
         from ..generation.engine import GenerationEngine
         from ..generation.split_model import StepBroadcast
+        from ..serving.embedding_engine import EmbeddingEngine
         from ..serving.server import run_server
     except ImportError as error:
         raise MissingDependencyError(f"serving needs the package {error.name}: "
                                      "pip install 'optimum-neuron-torch[serve]'") from None
+    task = task or ("embed" if model_id is not None and (Path(model_id) / "modules.json").is_file() else "generate")
+    if task == "embed":
+        if tp_size > 1:
+            raise ConfigurationError("an embedding model is served by one process: leave out --tensor-parallel-size")
+        folder = str(default_model("feature-extraction")) if model_id is None else model_id
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        engine = EmbeddingEngine(NeuronAutoModel.from_pretrained(folder, dtype=dtype), tokenizer, batch_size or 8,
+                                 max_length)
+        run_server(engine, model_id or DEFAULT_EMBEDDING_MODEL, host=host, port=port, drain_seconds=DRAIN_SECONDS,
+                   api_key=api_key if api_key is not None else settings.serving_api_key())
+        return
     folder = str(default_model_path()) if model_id is None else model_id
     model = load_generative_model(folder, tp_size, dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -3,13 +3,15 @@ the chunks of a stream of server-sent events; each choice's log-probabilities, u
 
 from __future__ import annotations
 
+import base64
 import itertools
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from openai.types import Completion, CompletionChoice, CompletionUsage
+import torch
+from openai.types import Completion, CompletionChoice, CompletionUsage, CreateEmbeddingResponse, Embedding
 from openai.types.chat import (
     ChatCompletion,
     ChatCompletionChunk,
@@ -191,6 +193,17 @@ def completion_logprobs(taken: list[TokenLogprob] | None, offset: int, decode: C
         tokens=tokens, token_logprobs=[item.logprob for item in taken], text_offset=offsets,
         top_logprobs=[None if item.logprob is None else {decode(token): logprob for token, logprob in item.top}
                       for item in taken])
+
+
+def embeddings(vectors: torch.Tensor, encoding_format: str, model: str, tokens: int) -> CreateEmbeddingResponse:
+    """The answer of `/v1/embeddings`: each input's vector as floats, or (`base64`) its float32 bytes
+    (little-endian) in base64, as the OpenAI API gives them."""
+    data = [Embedding.model_construct(  # (`model_construct`: the `openai` type's field is a list of floats)
+        object="embedding", index=index,
+        embedding=vector.tolist() if encoding_format == "float" else base64.b64encode(
+            vector.numpy().astype("<f4").tobytes()).decode()) for index, vector in enumerate(vectors)]
+    return CreateEmbeddingResponse(object="list", data=data, model=model,
+                                   usage={"prompt_tokens": tokens, "total_tokens": tokens})
 
 
 class RequestFailed(RuntimeError):

@@ -1,7 +1,9 @@
-"""The HTTP side of the server: FastAPI routes speaking the OpenAI API over a `GenerationEngine`.
+"""The HTTP side of the server: FastAPI routes speaking the OpenAI API over a `GenerationEngine`, or an
+`EmbeddingEngine`.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (streamed as server-sent events
-ending with `data: [DONE]`, or whole), `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (503
+ending with `data: [DONE]`, or whole) over a generation engine, `POST /v1/embeddings` over an
+embedding engine (each answering 404 over the other), `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (503
 until every graph is compiled; then 200, counting the graphs not loaded yet), `GET /metrics`
 (Prometheus, see `metrics`). With an API key, every route but `/health` wants
 `Authorization: Bearer <key>`.
@@ -38,8 +40,9 @@ from ..generation.engine import GenerationEngine
 from ..generation.requests import Event, SamplingSettings
 from ..generation.requests import Request as EngineRequest
 from . import answers
+from .embedding_engine import EmbeddingEngine
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, error_body, parse
+from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, error_body, parse
 from .structured_output import Grammars
 from .tool_calls import ToolChoice, parser_of_template, tool_choice
 
@@ -48,7 +51,7 @@ DISCONNECT_POLL_SECONDS = 0.5  # how often a request waiting for its tokens chec
 STARTING_RETRY_SECONDS = 5  # the Retry-After of a 503 while the graphs compile or load
 
 
-def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None = None,
+def build_app(engine: GenerationEngine | EmbeddingEngine, model_name: str, *, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_parser: str | None = None) -> FastAPI:
     """The server's FastAPI application over `engine`, which the caller starts (`/health` answers 503
     until its graphs are ready); the application's shutdown stops it (letting the requests running
@@ -88,8 +91,6 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
                   dependencies=[Depends(authorize)])
     created = int(time.time())
     metrics = ServerMetrics(engine)
-    grammars = Grammars(engine.tokenizer, engine.model.get_input_embeddings().num_embeddings, engine.eos_token_ids)
-    parser = tool_parser or parser_of_template(getattr(engine.tokenizer, "chat_template", None))
 
     @app.exception_handler(InvalidRequestError)
     async def invalid_request(request: Request, error: InvalidRequestError) -> JSONResponse:
@@ -148,6 +149,20 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
         _check_model(name, model_name)
         return served.model_dump(mode="json")
 
+    if isinstance(engine, EmbeddingEngine):
+        _embedding_routes(app, engine, model_name, max_body_bytes)
+    else:
+        _generation_routes(app, engine, model_name, max_body_bytes, metrics, tool_parser)
+    return app
+
+
+def _generation_routes(app: FastAPI, engine: GenerationEngine, model_name: str, max_body_bytes: int,
+                       metrics: ServerMetrics, tool_parser: str | None) -> None:
+    """`POST /v1/chat/completions` and `POST /v1/completions` over a generation engine; `/v1/embeddings`
+    answers 404 saying what serves it."""
+    grammars = Grammars(engine.tokenizer, engine.model.get_input_embeddings().num_embeddings, engine.eos_token_ids)
+    parser = tool_parser or parser_of_template(getattr(engine.tokenizer, "chat_template", None))
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         body = parse(await _read_body(request, max_body_bytes), ChatCompletionRequest)
@@ -162,13 +177,38 @@ def build_app(engine: GenerationEngine, model_name: str, *, api_key: str | None 
     async def completions(request: Request) -> Any:
         body = parse(await _read_body(request, max_body_bytes), CompletionRequest)
         _check_model(body.model, model_name)
-        prompts, texts = _completion_prompts(engine, body)
+        prompts, texts = _token_lists(body.prompt, engine, "prompt")
         echoes = [engine.tokenizer.decode(ids) if text is None else text
                   for ids, text in zip(prompts, texts, strict=True)] if body.echo else None
         return await _respond(request, engine, metrics, grammars, body, prompts, chat=False, echoes=echoes,
                               grammar=grammars.grammar(body.response_format_given()))
 
-    return app
+    @app.post("/v1/embeddings")
+    async def no_embeddings() -> None:
+        raise HTTPException(404, "this server serves a generative model; /v1/embeddings is served by "
+                                 "`optimum-cli neuron-torch serve --task embed` over an embedding model")
+
+
+def _embedding_routes(app: FastAPI, engine: EmbeddingEngine, model_name: str, max_body_bytes: int) -> None:
+    """`POST /v1/embeddings` over an embedding engine; the generation routes answer 404 saying why."""
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request) -> Any:
+        body = parse(await _read_body(request, max_body_bytes), EmbeddingRequest)
+        _check_model(body.model, model_name)
+        if body.dimensions is not None and body.dimensions != engine.dimensions:
+            raise InvalidRequestError(f"dimensions: this model's embeddings have {engine.dimensions}, not "
+                                      f"{body.dimensions} (it does not shorten them)", "dimensions")
+        inputs, _ = _token_lists(body.input, engine, "input")
+        vectors = await asyncio.wrap_future(engine.submit(inputs))
+        return JSONResponse(answers.embeddings(vectors, body.encoding_format, model_name,
+                                               sum(map(len, inputs))).model_dump(mode="json"))
+
+    @app.post("/v1/chat/completions")
+    @app.post("/v1/completions")
+    async def no_generation() -> None:
+        raise HTTPException(404, "this server serves an embedding model (POST /v1/embeddings); chat and "
+                                 "completions are served by `optimum-cli neuron-torch serve` over a generative model")
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -223,24 +263,27 @@ def _chat_grammar(grammars: Grammars, body: ChatCompletionRequest, tools: list[d
     return grammars.schema(schema, "tool_choice")
 
 
-def _completion_prompts(engine: GenerationEngine, body: CompletionRequest) -> tuple[list[list[int]],
-                                                                                   list[str | None]]:
-    """The token ids of each prompt of the request (one text or list of token ids, or a batch of
-    them), and its text where it was given as one."""
-    prompts = body.prompt
-    if not isinstance(prompts, list) or not prompts or not isinstance(prompts[0], (str, list)):
-        prompts = [prompts]
+def _token_lists(given: str | list[str] | list[int] | list[list[int]], engine: GenerationEngine | EmbeddingEngine,
+                 field: str) -> tuple[list[list[int]], list[str | None]]:
+    """The token ids of each text or list of token ids `given` (one, or a batch of them), and the
+    text of each given as one.
+
+    Raises:
+        InvalidRequestError: a token id outside the model's vocabulary (names `field` and the index).
+    """
+    if not isinstance(given, list) or not given or not isinstance(given[0], (str, list)):
+        given = [given]
     vocab = engine.model.get_input_embeddings().num_embeddings
     found = []
-    for index, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            found.append(list(engine.tokenizer(prompt).input_ids))
+    for index, item in enumerate(given):
+        if isinstance(item, str):
+            found.append(list(engine.tokenizer(item).input_ids))
             continue
-        if any(not 0 <= token < vocab for token in prompt):
-            field = "prompt" if len(prompts) == 1 else f"prompt.{index}"
-            raise InvalidRequestError(f"token ids must be in [0, {vocab}), the model's vocabulary", field)
-        found.append(list(prompt))
-    return found, [prompt if isinstance(prompt, str) else None for prompt in prompts]
+        if any(not 0 <= token < vocab for token in item):
+            raise InvalidRequestError(f"token ids must be in [0, {vocab}), the model's vocabulary",
+                                      field if len(given) == 1 else f"{field}.{index}")
+        found.append(list(item))
+    return found, [item if isinstance(item, str) else None for item in given]
 
 
 def _sampling(engine: GenerationEngine, body: ChatCompletionRequest | CompletionRequest) -> SamplingSettings:

@@ -244,3 +244,12 @@ def _type_tag(part: int | str) -> bool:
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     """An error as the OpenAI API gives it (`code` where the API gives one: `model_not_found`)."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class EmbeddingRequest(_Strict):
+    model: str
+    # One input (a text or token ids) or a batch of them, as the OpenAI API takes them.
+    input: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
+    encoding_format: Literal["float", "base64"] = "float"  # (the `openai` client asks base64)
+    dimensions: int | None = Field(default=None, ge=1)
+    user: str | None = None

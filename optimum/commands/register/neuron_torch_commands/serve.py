@@ -23,6 +23,7 @@ class ServeCommand(LibraryCommand):
         "optimum-cli neuron-torch serve",
         "optimum-cli neuron-torch serve --model org/model-id --dtype bfloat16 --batch-size 8 --port 8080",
         "optimum-cli neuron-torch serve --model org/model-id --tensor-parallel-size 2",
+        "optimum-cli neuron-torch serve --task embed --batch-size 16 --max-length 256",
     )
 
     @staticmethod
@@ -47,6 +48,10 @@ class ServeCommand(LibraryCommand):
         parser.add_argument("--prefill-budget", type=positive,
                             help="The most prompt tokens prefilled between two decode steps: the longest a new "
                                  "request delays the others' next token (default: the largest prompt bucket).")
+        parser.add_argument("--task", choices=("generate", "embed"),
+                            help="generate: chat and completions; embed: /v1/embeddings from an encoder (default: "
+                                 "embed for a sentence-transformers folder, else generate; the default embedding "
+                                 "model is the packaged all-MiniLM-L6-v2).")
         parser.add_argument("--prompt-logprobs", action="store_true",
                             help="Let completions score their prompt (`echo` with `logprobs`, as lm-eval's "
                                  "loglikelihood tasks ask): compiles a scoring prefill per prompt bucket and chunk "
@@ -72,6 +77,6 @@ class ServeCommand(LibraryCommand):
             return launch(args.tp_size, sys.argv[1:], drain_seconds=DRAIN_SECONDS + 30)
         serve(args.model, host=args.host, port=args.port, batch_size=args.batch_size, max_length=args.max_length,
               prompt_buckets=args.prompt_buckets, prefill_budget=args.prefill_budget, api_key=args.api_key,
-              prompt_logprobs=args.prompt_logprobs, tool_call_parser=args.tool_call_parser,
+              prompt_logprobs=args.prompt_logprobs, tool_call_parser=args.tool_call_parser, task=args.task,
               tp_size=args.tp_size, dtype=args.dtype)
         return 0
