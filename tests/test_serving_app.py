@@ -118,7 +118,7 @@ def test_parse_reads_the_fields_and_refuses_bad_ones_naming_them():
         assert refusal(data)[0] is None and refusal(data)[1].startswith(f"the request body {message}"), refusal(data)
     assert [refusal({"messages": USER}), refusal({"model": NAME})] == [
         ("model", "model: Field required"), ("messages", "messages: Field required")]
-    for fields in (dict(echo=True), dict(logprobs=None, echo=0), dict(logit_bias={"1": 2})):
+    for fields in (dict(echo=True), dict(logprobs=None, echo=0), dict(functions=[{"name": "f"}])):
         name = next(name for name, value in fields.items() if value is not None)
         assert refusal(chat(**fields)) == (name, f"{name} is not supported by this server; leave it out")
     for fields, param in [(dict(logprobs=1), "logprobs"), (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
@@ -689,6 +689,28 @@ def test_echo_with_logprobs_scores_the_prompt_as_transformers_on_the_cpu(app, cp
                 ] == pytest.approx(top.values.flatten().tolist(), abs=1e-5)
         assert [set(row) for row in columns["top_logprobs"][1:]] == [
             {TOKENIZER.decode([token]) for token in row} for row in top.indices.tolist()]
+
+
+def test_logit_bias_is_transformers_sequence_bias_of_single_tokens(app, cpu_model):
+    """`logit_bias` (token id: bias) adds to the logits before the penalties, as Transformers' `sequence_bias` of
+    one-token sequences does: greedy tokens equal Transformers' on the CPU; a key that is no token id, or a bias
+    outside [-100, 100], gets 400 naming it."""
+    prompt = TOKENIZER("paris is the capital of").input_ids
+    first, _ = greedy_answer(cpu_model, TOKENIZER, prompt, 8)
+    bias = {first[0]: -100.0, first[2]: 2.5, 7: 1.5}
+    with torch.no_grad():
+        output = cpu_model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, repetition_penalty=1.2,
+                                    sequence_bias={(token,): value for token, value in bias.items()})
+    expected = output[0, len(prompt):].tolist()
+    assert expected[0] != first[0]
+    body = {"model": NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, "repetition_penalty": 1.2}
+    answer = call(app, "POST", "/v1/completions", json={**body, "logit_bias": {
+        str(token): value for token, value in bias.items()}}).json()["choices"][0]
+    assert answer["text"] == TOKENIZER.decode(expected, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    for logit_bias, param in [({"x1": 1}, "logit_bias.x1"), ({str(VOCAB): 1}, f"logit_bias.{VOCAB}"),
+                              ({"5": 101}, "logit_bias.5"), ({"5": "high"}, "logit_bias.5")]:
+        response = call(app, "POST", "/v1/completions", json={**body, "logit_bias": logit_bias})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
 def test_a_restarted_server_engine_is_ready_before_loading_the_graphs_it_finds_compiled(cpu_model, tmp_path,

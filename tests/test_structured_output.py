@@ -69,9 +69,10 @@ def grammar_greedy(cpu_model, tokenizer, prompt: list[int], grammar: str, repeti
 
 
 def test_a_grammar_sampler_penalizes_the_prompt_and_what_it_chose_as_the_step_does():
-    """The host's choice for a grammar: Transformers' repetition penalty over the prompt and the answer, the OpenAI
-    API's presence and frequency penalties over the answer (counted as it goes), the tokens the grammar refuses
-    dropped (every token but a, b and c here); the same draws from the same seed; top-k 1 draws the greedy one."""
+    """The host's choice for a grammar: the logit bias, then Transformers' repetition penalty over the prompt and the
+    answer, the OpenAI API's presence and frequency penalties over the answer (counted as it goes), the tokens the
+    grammar refuses dropped (every token but a, b and c here, whatever their bias); the same draws from the same
+    seed; top-k 1 draws the greedy one."""
     import llguidance
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(ont.default_model_path())
@@ -81,11 +82,12 @@ def test_a_grammar_sampler_penalizes_the_prompt_and_what_it_chose_as_the_step_do
     logits = torch.full((len(tokenizer),), -100.0)
     logits[ids] = torch.tensor([5.0, 4.6, 4.2, 9.0])  # (d: the most likely, refused by the grammar)
 
-    def expected(prompt: str, repetition: float, presence: float, frequency: float) -> str:
+    def expected(prompt: str, repetition: float, presence: float, frequency: float, bias: dict | None = None) -> str:
         counts, chosen = collections.Counter(), ""
         for _ in range(6):
             scores = {}
             for letter, logit in zip("abc", [5.0, 4.6, 4.2], strict=True):
+                logit += (bias or {}).get(letter, 0.0)  # (the logit bias first, then the penalties)
                 if letter in prompt or counts[letter]:
                     logit = logit / repetition if logit > 0 else logit * repetition
                 scores[letter] = logit - presence * (counts[letter] > 0) - frequency * counts[letter]
@@ -93,14 +95,19 @@ def test_a_grammar_sampler_penalizes_the_prompt_and_what_it_chose_as_the_step_do
             chosen, counts[best] = chosen + best, counts[best] + 1
         return chosen
 
-    def chosen(prompt: str, generator: torch.Generator | None = None, **settings) -> str:
-        sampler = grammars.sampler(grammar, SamplingSettings(**settings), [ids[letters.index(x)] for x in prompt])
+    def chosen(prompt: str, generator: torch.Generator | None = None, bias: dict | None = None, **settings) -> str:
+        sampler = grammars.sampler(grammar, SamplingSettings(**settings), [ids[letters.index(x)] for x in prompt],
+                                   {ids[letters.index(x)]: value for x, value in (bias or {}).items()})
         return "".join(letters[ids.index(sampler(logits.clone(), generator))] for _ in range(6))
 
     for prompt, repetition, presence, frequency in [("", 1.0, 0.0, 0.0), ("", 1.0, 1.0, 0.5), ("a", 2.0, 0.0, 0.0),
                                                     ("b", 1.5, 0.3, 0.2), ("", 1.0, 0.0, 0.3)]:
         assert chosen(prompt, repetition_penalty=repetition, presence_penalty=presence,
                       frequency_penalty=frequency) == expected(prompt, repetition, presence, frequency)
+    for bias in ({"a": 4.0}, {"c": 0.5, "d": 50.0}, {"b": -1.0}):
+        assert chosen("a", bias=bias, repetition_penalty=2.0, presence_penalty=0.5) == expected("a", 2.0, 0.5, 0.0,
+                                                                                                bias)
+    assert chosen("a", bias={"a": 4.0}, repetition_penalty=2.0)[0] == "b"  # ((5 + 4) / 2 < 4.6: penalized after)
     assert len({chosen("", torch.Generator().manual_seed(seed), temperature=3.0) for seed in range(8)}) > 1
     assert chosen("", torch.Generator().manual_seed(1), temperature=3.0) == chosen(
         "", torch.Generator().manual_seed(1), temperature=3.0)

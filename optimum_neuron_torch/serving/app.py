@@ -311,7 +311,7 @@ def _engine_requests(engine: GenerationEngine, grammars: Grammars, body: ChatCom
                      prompts: list[list[int]], on_event: Callable[[int], Callable[[Event], None]],
                      grammar: str | None) -> list[EngineRequest]:
     """An engine request per choice (`n` per prompt; with a `seed`, choice `j` samples with `seed + j`);
-    held to a `grammar`, each chooses its tokens on the host (`structured_output`).
+    held to a `grammar`, or with a `logit_bias`, each chooses its tokens on the host (`structured_output`).
 
     Raises:
         InvalidRequestError: `n` beyond the slots, `echo` with `logprobs` on an engine that does not
@@ -329,11 +329,12 @@ def _engine_requests(engine: GenerationEngine, grammars: Grammars, body: ChatCom
         raise InvalidRequestError("ignore_eos: an answer held to a response_format ends where its grammar does",
                                   "ignore_eos")
     sampling, eos = _sampling(engine, body), set() if body.ignore_eos else None
+    bias = body.logit_bias_given(engine.model.get_input_embeddings().num_embeddings)
     jobs = []
     for index in range(len(prompts) * n):
         seed = sampling.seed if sampling.seed is None else (sampling.seed + index % n + 2**63) % 2**64 - 2**63
         prompt, own = prompts[index // n], dataclasses.replace(sampling, seed=seed)
-        choose = None if grammar is None else grammars.sampler(grammar, own, prompt)
+        choose = None if grammar is None and bias is None else grammars.sampler(grammar, own, prompt, bias)
         # (chosen on the host, the row runs greedily on the device, its token not taken: the graphs of every row)
         device = own if choose is None else SamplingSettings(seed=seed)
         jobs.append(EngineRequest(prompt, body.max_new_tokens(), device, body.stop_strings(), on_event(index), eos,

@@ -27,7 +27,6 @@ MAX_STOP_STRINGS = 4  # as the OpenAI API
 
 # Fields of the API the server does not implement, with the value that means "not used".
 UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "logit_bias": (None, {}),
     "functions": (None, []),
     "echo": (None, False),
     "best_of": (None, 1),
@@ -140,6 +139,7 @@ class _GenerationRequest(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None  # (answers held to JSON: see `structured_output`)
+    logit_bias: dict[str, float] | None = None  # (token id: bias in [-100, 100], added to its logit)
     user: str | None = None
 
     def stop_strings(self) -> list[str]:
@@ -150,6 +150,22 @@ class _GenerationRequest(_Strict):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def logit_bias_given(self, vocab: int) -> dict[int, float] | None:
+        """`logit_bias` with token ids as integers, or None.
+
+        Raises:
+            InvalidRequestError: a key that is no token id of the `vocab`, or a bias outside [-100, 100].
+        """
+        bias = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.isdigit() or int(key) >= vocab:
+                raise InvalidRequestError(f"logit_bias: {key!r} is not a token id of the model's vocabulary "
+                                          f"[0, {vocab})", f"logit_bias.{key}")
+            if not -100 <= value <= 100:
+                raise InvalidRequestError(f"logit_bias: {value} for {key} is outside [-100, 100]", f"logit_bias.{key}")
+            bias[int(key)] = float(value)
+        return bias or None
 
     def response_format_given(self) -> dict[str, Any] | None:
         """`response_format` as the client gave it (the OpenAI API's names), or None."""

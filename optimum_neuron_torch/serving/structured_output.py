@@ -8,7 +8,8 @@ the argmax, or a draw with the request's warpers, as the step draws (`sampling.s
 code, from the request's own generator). So wherever the grammar allows what the model would have
 said, the answer is what it would have been; it always parses; and once the grammar is complete,
 only an end-of-sequence token is allowed. The device runs such a row as a greedy one and its token
-is not taken: no graph of its own (the graphs are those of every request).
+is not taken: no graph of its own (the graphs are those of every request). A request with a
+`logit_bias` is chosen on the host the same way, its bias added to the logits first.
 """
 
 from __future__ import annotations
@@ -89,9 +90,12 @@ class Grammars:
             raise InvalidRequestError(f"{refused}: {messages[0]}", field)
         return grammar
 
-    def sampler(self, grammar: str, sampling: SamplingSettings, prompt: list[int]) -> GrammarSampler:
-        """What chooses the tokens of one answer held to `grammar` (a matcher of its own)."""
-        return GrammarSampler(_llguidance().LLMatcher(self._tokenizer(), grammar), sampling, prompt, self.vocab)
+    def sampler(self, grammar: str | None, sampling: SamplingSettings, prompt: list[int],
+                bias: dict[int, float] | None = None) -> GrammarSampler:
+        """What chooses the tokens of one answer held to `grammar` (a matcher of its own), if any, with
+        `bias` (`logit_bias`) added to its logits."""
+        matcher = None if grammar is None else _llguidance().LLMatcher(self._tokenizer(), grammar)
+        return GrammarSampler(matcher, sampling, prompt, self.vocab, bias)
 
     def _tokenizer(self) -> Any:
         if self._llguidance_tokenizer is None:
@@ -101,23 +105,30 @@ class Grammars:
 
 
 class GrammarSampler:
-    """Chooses the tokens of one answer held to a grammar (see the module's docstring): a
-    `Request.choose`, called with the row's float32 logits `[vocab]` and the request's generator.
+    """Chooses the tokens of one answer held to a grammar (see the module's docstring), or given a
+    `logit_bias`: a `Request.choose`, called with the row's float32 logits `[vocab]` and the
+    request's generator.
 
     Args:
-        matcher (`llguidance.LLMatcher`): the answer's matcher, at its start.
+        matcher (`llguidance.LLMatcher`, *optional*): the answer's matcher, at its start (None: no grammar).
         sampling (`SamplingSettings`): the request's penalties and warpers.
         prompt (`list[int]`): its prompt (what the repetition penalty reads with the answer).
         vocab (`int`): the width of the logits.
+        bias (`dict[int, float]`, *optional*): added to the logits of these tokens first, as the
+            OpenAI API's `logit_bias`.
     """
 
-    def __init__(self, matcher: Any, sampling: SamplingSettings, prompt: list[int], vocab: int) -> None:
+    def __init__(self, matcher: Any, sampling: SamplingSettings, prompt: list[int], vocab: int,
+                 bias: dict[int, float] | None = None) -> None:
         row = sampling.row()
         self.matcher, self.greedy = matcher, sampling.temperature == 0
         self.penalties, self.warpers = torch.tensor([row[PENALTIES]]), torch.tensor([row[WARPERS]])
         self.seen, self.counts = torch.zeros((1, vocab)), torch.zeros((1, vocab))
         self.seen[0, prompt] = 1.0
-        self.bitmask = _llguidance().torch.allocate_token_bitmask(1, vocab)
+        self.bias = torch.zeros(vocab)
+        if bias:
+            self.bias[list(bias)] = torch.tensor(list(bias.values()))
+        self.bitmask = None if matcher is None else _llguidance().torch.allocate_token_bitmask(1, vocab)
 
     def __call__(self, logits: torch.Tensor, generator: torch.Generator) -> int:
         """The next token; the matcher takes it.
@@ -125,15 +136,16 @@ class GrammarSampler:
         Raises:
             RuntimeError: the matcher refused it (its error named): the request fails.
         """
-        scores = penalize(logits[None], self.penalties, self.seen, self.counts)
-        guidance = _llguidance().torch
-        guidance.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
-        guidance.apply_token_bitmask_inplace(scores, self.bitmask)
+        scores = penalize((logits + self.bias)[None], self.penalties, self.seen, self.counts)
+        if self.matcher is not None:
+            guidance = _llguidance().torch
+            guidance.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+            guidance.apply_token_bitmask_inplace(scores, self.bitmask)
         if self.greedy:
             token = int(scores.argmax(-1))
         else:
             token = int(sample(scores, self.warpers, torch.rand(1, generator=generator)))
-        if not self.matcher.consume_token(token):
+        if self.matcher is not None and not self.matcher.consume_token(token):
             raise RuntimeError(f"the answer's grammar refused token {token}: {self.matcher.get_error()}")
         self.seen[0, token] = 1.0
         self.counts[0, token] += 1.0
