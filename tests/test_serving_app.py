@@ -200,7 +200,7 @@ def test_type_tags_error_body_check_model_finish_usage_and_sampling_from_the_bod
 
 def test_events_end_at_the_last_one_of_every_choice_or_when_the_client_goes_and_cancel_the_requests(monkeypatch):
     monkeypatch.setattr(serving, "DISCONNECT_POLL_SECONDS", 0.01)
-    engine, job, jobs = ScriptedEngine(), object(), [object(), object()]
+    engine, job, jobs, aborts = ScriptedEngine(), object(), [object(), object()], []
 
     async def run(events: list[tuple[int, Event]], gone_after: int, choices: tuple = (job,)) -> list:
         queue, polls = asyncio.Queue(), []
@@ -214,7 +214,7 @@ def test_events_end_at_the_last_one_of_every_choice_or_when_the_client_goes_and_
             return len(polls) > gone_after
 
         client = SimpleNamespace(is_disconnected=is_disconnected)
-        return [event async for event in serving._events(client, engine, list(choices), queue)]
+        return [event async for event in serving._events(client, engine, list(choices), queue, aborts.append)]
 
     assert asyncio.run(run([(0, Event("a", 1)), (0, Event("b", 2, "length")), (0, Event("c", 3))], 0)) == [
         (0, Event("a", 1)), (0, Event("b", 2, "length"))]
@@ -223,6 +223,7 @@ def test_events_end_at_the_last_one_of_every_choice_or_when_the_client_goes_and_
     two = [(1, Event("a", 1)), (1, Event("b", 2, "stop")), (0, Event("c", 1, "length")), (0, Event("d", 2))]
     assert asyncio.run(run(two, 0, tuple(jobs))) == two[:3]  # (until each choice had its last event)
     assert engine.cancelled == [job] * 3 + jobs
+    assert aborts == [1]  # (the client that went before any event: its choice had not finished)
 
     async def left(events: list[Event]):  # a client that goes before its whole answer: nobody to answer
         async def is_disconnected() -> bool:
@@ -230,12 +231,13 @@ def test_events_end_at_the_last_one_of_every_choice_or_when_the_client_goes_and_
 
         client = SimpleNamespace(is_disconnected=is_disconnected)
         engine = ScriptedEngine(events)
-        grammars = Grammars(TOKENIZER, VOCAB, engine.eos_token_ids)
-        return await serving._respond(client, engine, ServerMetrics(engine), grammars, parse(chat()), [CHAT_IDS],
-                                      chat=True)
+        grammars, metrics = Grammars(TOKENIZER, VOCAB, engine.eos_token_ids), ServerMetrics(engine)
+        response = await serving._respond(client, engine, metrics, grammars, parse(chat(n=2)), [CHAT_IDS], chat=True)
+        return response.status_code, metrics.registry.get_sample_value(
+            "optimum_neuron_torch:request_success_total", {"finished_reason": "abort"}) or 0
 
-    assert [asyncio.run(left(events)).status_code for events in ([], EVENTS[:1])] == [499, 499]
-    assert asyncio.run(left(EVENTS)).status_code == 200  # (finished before anyone asked)
+    assert [asyncio.run(left(events)) for events in ([], EVENTS[:1])] == [(499, 2), (499, 2)]  # (both choices)
+    assert asyncio.run(left(EVENTS)) == (200, 0)  # (finished before anyone asked)
 
 
 class SlowEngine(ScriptedEngine):
@@ -387,6 +389,12 @@ def test_answers_whole_and_streamed_over_a_scripted_engine():
             usage = {"prompt_tokens": prompt, "completion_tokens": 3, "total_tokens": prompt + 3}
             assert chunks == [{**head, "choices": [choice]} for choice in choices] + [
                 {**head, "choices": [], "usage": usage}] * include_usage
+        chunks = sse(call(app, "POST", path, json={**data, "stream": True, "stream_options": {
+            "continuous_usage_stats": True}}))  # (vLLM's: the usage so far in every chunk, as guidellm asks)
+        assert [chunk["choices"] for chunk in chunks] == [[choice] for choice in choices]
+        assert [chunk["usage"] for chunk in chunks] == [
+            {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens}
+            for tokens in ([0, 1, 3, 3] if len(choices) == 4 else [1, 3])]
 
 
 def test_choices_of_n_and_batched_prompts_whole_and_streamed_and_the_model_route(caplog):

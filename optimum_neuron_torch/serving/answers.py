@@ -45,6 +45,8 @@ class Answer:
         prompt_tokens (`int`): the tokens of its prompts (each counted once, whatever `n`).
         decode (`Callable[[int], str]`): a token's text (decoded alone).
         include_usage (`bool`): whether a stream ends with a chunk of the usage.
+        continuous_usage (`bool`): whether each chunk of a choice carries the usage so far (vLLM's
+            `stream_options.continuous_usage_stats`, which guidellm asks).
         logprobs (`bool`): whether each choice has its tokens' log-probabilities.
         echoes (`list[str]`, *optional*): per choice, the prompt's text its completion starts with.
         tools (`ToolChoice`, *optional*): how a chat answer's text calls tools; such an answer's text is
@@ -61,6 +63,11 @@ class Answer:
     logprobs: bool = False
     echoes: list[str] | None = None
     tools: ToolChoice | None = None
+    continuous_usage: bool = False
+
+    def so_far(self, latest: list[Event | None]) -> CompletionUsage | None:
+        """With `continuous_usage`, the usage of the choices' latest events, else None."""
+        return usage(self.prompt_tokens, [event for event in latest if event]) if self.continuous_usage else None
 
     def message(self, text: str, reason: str) -> tuple[str | None, list[ChatCompletionMessageToolCall], str]:
         """A chat answer's content, tool calls and finish reason (`tool_calls` if it calls any, unless
@@ -106,13 +113,16 @@ class Answer:
             found = chat_logprobs(ChunkLogprobs, logprobs, self.decode) if logprobs else None
             choices = [] if index is None else [ChunkChoice(index=index, delta=delta, finish_reason=reason,
                                                             **given(logprobs=found))]
+            total = total if index is None else self.so_far(latest)
             return ChatCompletionChunk(id=self.identity, created=self.created, model=self.model,
                                        object="chat.completion.chunk", choices=choices, **given(usage=total))
 
+        latest = [None] * self.choices
         for index in range(self.choices):
             yield chunk(index, ChoiceDelta(role="assistant", content=""))
         last, held = [None] * self.choices, [("", []) for _ in range(self.choices)]  # (what `tools` reads at the end)
         async for index, event in events:
+            latest[index] = event
             if self.tools is not None:
                 held[index] = (held[index][0] + event.text, held[index][1] + (event.logprobs or []))
             elif event.text or event.logprobs:
@@ -137,11 +147,14 @@ class Answer:
             # (`model_construct`: the `openai` type wants a finish reason, which a chunk before the last has not)
             choices = [] if index is None else [CompletionChoice.model_construct(
                 index=index, text=text, logprobs=logprobs, finish_reason=reason)]
+            total = total if index is None else self.so_far(latest)
             return Completion(id=self.identity, created=self.created, model=self.model, object="text_completion",
                               choices=choices, **given(usage=total))
 
-        last, offsets, started = [None] * self.choices, [0] * self.choices, [False] * self.choices
+        latest, last = [None] * self.choices, [None] * self.choices
+        offsets, started = [0] * self.choices, [False] * self.choices
         async for index, event in events:
+            latest[index] = event
             text, taken = event.text, event.logprobs
             if not started[index]:  # (its first chunk starts with its prompt, with `echo`)
                 started[index] = True

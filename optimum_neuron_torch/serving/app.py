@@ -366,8 +366,9 @@ async def _respond(request: Request, engine: GenerationEngine, metrics: ServerMe
     answer = answers.Answer(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()), body.model,
                             len(jobs), sum(map(len, prompts)), functools.partial(answers.token_text, engine.tokenizer),
                             body.include_usage(), body.logprobs_asked() is not None,
-                            None if echoes is None else [echoes[index // n] for index in range(len(jobs))], tools)
-    events = _events(request, engine, jobs, queue)
+                            None if echoes is None else [echoes[index // n] for index in range(len(jobs))], tools,
+                            body.continuous_usage())
+    events = _events(request, engine, jobs, queue, metrics.aborted)
     if body.stream:
         chunks = answer.chat_chunks(events) if chat else answer.completion_chunks(events)
         return StreamingResponse(answers.sse(chunks), media_type="text/event-stream",
@@ -384,9 +385,11 @@ def _put(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[tuple[int, Event]
 
 
 async def _events(request: Request, engine: GenerationEngine, jobs: list[EngineRequest],
-                  queue: asyncio.Queue[tuple[int, Event]]) -> AsyncIterator[tuple[int, Event]]:
+                  queue: asyncio.Queue[tuple[int, Event]], aborted: Callable[[int], None] = lambda count: None
+                  ) -> AsyncIterator[tuple[int, Event]]:
     """The (choice, event) pairs of the request's jobs until each has had its last; if the client goes
-    away (or the response is abandoned), every job is cancelled."""
+    away (or the response is abandoned), every job is cancelled, and `aborted` told how many had not
+    finished."""
     running = len(jobs)
     try:
         while running:
@@ -401,3 +404,5 @@ async def _events(request: Request, engine: GenerationEngine, jobs: list[EngineR
     finally:
         for job in jobs:
             engine.cancel(job)
+        if running:
+            aborted(running)

@@ -48,7 +48,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         registry = {"registry": self.registry}
         self.requests = Counter(f"{PREFIX}request_success", "Requests finished, by finish reason (stop, length, "
-                                "error).", ["finished_reason"], **registry)
+                                "error, abort: the client went away).", ["finished_reason"], **registry)
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens prefilled.", **registry)
         self.generation_tokens = Counter(f"{PREFIX}generation_tokens", "Tokens generated.", **registry)
         self.first_token = Histogram(f"{PREFIX}time_to_first_token_seconds", "Time from a request's arrival to its "
@@ -97,6 +97,10 @@ class ServerMetrics:
             then(event)
 
         return on_event
+
+    def aborted(self, requests: int) -> None:
+        """Counts `requests` that ended before their last token, their client gone (`abort`, as vLLM)."""
+        self.requests.labels("abort").inc(requests)
 
     def exposition(self) -> bytes:
         """Every metric, in Prometheus' text format."""

@@ -119,6 +119,7 @@ class ResponseFormat(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # (vLLM's: the usage so far in every chunk)
 
 
 class _GenerationRequest(_Strict):
@@ -150,6 +151,9 @@ class _GenerationRequest(_Strict):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def logit_bias_given(self, vocab: int) -> dict[int, float] | None:
         """`logit_bias` with token ids as integers, or None.
