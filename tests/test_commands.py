@@ -67,7 +67,7 @@ SPLIT = ["--tensor-parallel-size", "--tp-size"]
     (("compile",), ["MODEL", *MODEL_OPTIONS, *SPLIT, "--batch-sizes", "--prompt-buckets", "--max-length",
                     "--context-buckets", "--save", "--dry-run"]),
     (("serve",), ["MODEL", *MODEL_OPTIONS, *SPLIT, "--host", "--port", "--batch-size", "--prefill-budget",
-                  "--prompt-logprobs", "--tool-call-parser", "--task"]),
+                  "--prompt-logprobs", "--tool-call-parser", "--task", "--enable-prefix-caching"]),
     (("cache",), ["list", "stats", "clear", "push", "pull"]),
     (("cache", "push"), ["destination", "hf://"]),
     (("cache", "pull"), ["source", "@revision"]),

@@ -575,6 +575,7 @@ def test_metrics_count_the_requests_tokens_and_latencies_and_read_the_engine_whe
     assert (empty[("kv_cache_usage_perc", ())], empty[("graphs_unloaded", ())]) == (0.5, 3)
     assert empty[("device_memory_bytes", ())] == 123 and empty[("generation_tokens_total", ())] == 0
     assert ("graphs_compiled", ()) in empty and ("graphs_loaded", ()) in empty
+    assert empty[("prefix_cache_queries", ())] == empty[("prefix_cache_hits", ())] == 0  # (no prefix cache)
     call(app, "POST", "/v1/chat/completions", json=chat(n=2), headers=key)
     call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": [1, 2, 3]}, headers=key)
     call(app, "POST", "/v1/completions", json={"model": NAME, "prompt": [1], "max_tokens": 99}, headers=key)  # (400)

@@ -29,11 +29,13 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int 
           max_length: int | None = None,
           prompt_buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
           api_key: str | None = None, tp_size: int = 1, dtype: str | None = None,
-          prompt_logprobs: bool = False, tool_call_parser: str | None = None, task: str | None = None) -> None:
+          prompt_logprobs: bool = False, tool_call_parser: str | None = None, task: str | None = None,
+          prefix_caching: bool = False) -> None:
     """Serves `model_id` (default: the library's default model, or with `task="embed"` the packaged
     all-MiniLM-L6-v2) until SIGTERM or Ctrl-C; clients name it `model_id` (or its default's name).
     `task` is `generate` (chat and completions: the engine runs `serving_buckets`, with the graphs
-    that score prompts if `prompt_logprobs`; tool calls read by `tool_call_parser`, default: the
+    that score prompts if `prompt_logprobs`, and those that follow a cached prefix if `prefix_caching`;
+    tool calls read by `tool_call_parser`, default: the
     format the chat template names) or `embed` (`/v1/embeddings`, see `serving.embedding_engine`);
     default: `embed` for a sentence-transformers folder, else `generate`.
 
@@ -66,7 +68,8 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     buckets = serving_buckets(model, batch_size=batch_size, max_length=max_length, prompt_buckets=prompt_buckets)
     engine = GenerationEngine(model, buckets, tokenizer, prefill_budget=prefill_budget,
-                              broadcast=StepBroadcast() if tp_size > 1 else None, scoring=prompt_logprobs)
+                              broadcast=StepBroadcast() if tp_size > 1 else None, scoring=prompt_logprobs,
+                              prefix_caching=prefix_caching)
     if not is_first_rank():
         # (rank 0 decides when the job stops: it drains its requests, then tells the others)
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -189,12 +189,15 @@ def chunk_contexts(buckets: Buckets) -> tuple[int, ...]:
     return tuple(context for context in buckets.context_buckets if context >= first)
 
 
-def engine_plan(buckets: Buckets, *, sampling: bool = True, scoring: bool = False) -> list[PlannedGraph]:
+def engine_plan(buckets: Buckets, *, sampling: bool = True, scoring: bool = False,
+                prefix_caching: bool = False) -> list[PlannedGraph]:
     """Every graph the generation engine (`engine.GenerationEngine`) runs for `buckets`: a prefill of
     one prompt per prompt bucket (over the bucket), a chunk per `chunk_contexts`, per batch and
     context bucket a greedy decode step and, with `sampling`, one that samples; with `scoring`, a
     prefill and a chunk of each of those shapes that also scores every prompt token (see
-    `slots.slot_step`).
+    `slots.slot_step`); with `prefix_caching`, a `suffix` per prompt bucket and context bucket
+    beyond it (the rest of a prompt after a prefix its slot holds, from any position: see
+    `prefix_cache`), but those the chunks are.
 
     Example:
         >>> len(engine_plan(Buckets((1, 2), (8, 16), 64, (32, 64))))  # 2 prefills, 2 chunks, 2 x 2 x 2 decode steps
@@ -210,7 +213,40 @@ def engine_plan(buckets: Buckets, *, sampling: bool = True, scoring: bool = Fals
     if scoring:
         plan += [PlannedGraph(f"scoring {graph.role}", 1, graph.tokens, graph.context) for graph in plan
                  if graph.role in ("prefill", "chunk")]
+    if prefix_caching:
+        chunks = {(graph.tokens, graph.context) for graph in plan if graph.role == "chunk"}
+        plan += [PlannedGraph("suffix", 1, tokens, context) for tokens in buckets.prompt_buckets
+                 for context in buckets.context_buckets if context > tokens and (tokens, context) not in chunks]
     return plan
+
+
+def next_piece(buckets: Buckets, done: int, length: int, suffixes: bool = False) -> tuple[int, int, int]:
+    """The next piece the generation engine prefills of a prompt of `length` tokens whose first
+    `done` are in its slot: (first position, length, context), one of `engine_plan`'s graphs.
+
+    A prompt that fits a prompt bucket is one piece, padded to it, attending over the bucket (its
+    prefill graph); a longer one is cut in chunks of the largest bucket, the first over itself (the
+    largest prefill's graph), the others over the smallest context bucket that holds them. With
+    `suffixes` (prefix caching), a piece after the first position is the smallest prompt bucket
+    that holds the rest (or a chunk), over the smallest context bucket that holds its end (a
+    `suffix` graph). The last piece is moved back if it would pass `max_length`: it writes again
+    some positions the one before wrote (the same tokens at the same positions), rather than padding
+    beyond the cache.
+
+    Example:
+        >>> buckets = Buckets((1,), (16, 64), 256, (128, 256))
+        >>> next_piece(buckets, 0, 40), next_piece(buckets, 0, 100), next_piece(buckets, 64, 100)
+        ((0, 64, 64), (0, 64, 64), (64, 64, 128))
+        >>> next_piece(buckets, 96, 100, suffixes=True), next_piece(buckets, 250, 254, suffixes=True)
+        ((96, 16, 128), (240, 16, 256))
+    """
+    chunk = buckets.prompt_buckets[-1]
+    if done == 0 and length <= chunk:
+        bucket, _ = buckets.prompt_shape_for(length)
+        return 0, bucket, bucket
+    size = buckets.prompt_shape_for(length - done)[1] if suffixes and done else chunk
+    start = min(done, buckets.max_length - size)
+    return start, size, chunk if start == 0 else buckets.context_bucket_for(start + size)
 
 
 def describe_plan(plan: list[PlannedGraph]) -> str:

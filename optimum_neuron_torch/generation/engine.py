@@ -4,12 +4,13 @@ One thread at a time runs the device: the server's main thread (`run`), or a thr
 `generate()` waits for its requests (`complete`). The engine holds a decode slot per row of its
 largest batch bucket, over one `SlotCache`. Each turn of its loop:
 
-1. requests waiting get free slots (the lowest first);
+1. requests waiting get free slots (the lowest first; with prefix caching, the one holding the most
+   of the prompt's first tokens, else the least recently used: see `prefix_cache`);
 2. prompts are prefilled, one piece at a time, oldest request first, up to `prefill_budget` prompt
    tokens in the turn (at least one piece): a prompt that fits a prompt bucket is one piece, padded
    to the bucket; a longer one is cut into chunks of the largest bucket, each attending over the
-   smallest context bucket that holds it (see `_next_piece`). A request whose last piece ran has its
-   first token. So a long prompt never stalls the decoding requests for more than one chunk a turn;
+   smallest context bucket that holds it (`buckets.next_piece`). A request whose last piece ran has
+   its first token. So a long prompt never stalls the decoding requests for more than one chunk a turn;
 3. one decode step runs for the first `b` slots (`b` the smallest batch bucket that holds every
    decoding slot; the rows of a `generate()` call start together, see `Request.held`), over the
    smallest context bucket that holds their longest sequence; the other slots among them (free,
@@ -21,9 +22,9 @@ So the graphs are those of `buckets.engine_plan`: one prefill per prompt bucket,
 bucket a long prompt's chunks reach, and two decode steps (greedy, and sampling) per (batch bucket,
 context bucket). The server compiles all of them before its first request (`warm_up()`), so no mix
 of requests compiles anything; those a previous run left whole in the compile cache it loads when
-idle, or at the first step that needs one (a restart is ready in seconds); `generate()` compiles each
-the first time it meets it, unless `precompile()` did. Every row of a step is computed as if alone (its own
-positions, mask and random numbers), so a request's tokens do not depend on the others.
+idle, or at the first step that needs one (a restart is ready in seconds); `generate()` compiles
+each the first time it meets it, unless `precompile()` did. Every row of a step is computed as if
+alone (its positions, mask and random numbers): a request's tokens do not depend on the others.
 
 Requests come from any thread: the HTTP server's event loop through `submit()`, `generate()` calls
 through `complete()`, which share the steps. What each one produces goes to the `on_event` callback
@@ -44,9 +45,10 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from ..errors import DEVICE_OR_JOB_FAILURES, ServerBusyError
-from .buckets import Buckets, engine_plan
+from ..errors import DEVICE_OR_JOB_FAILURES, ConfigurationError, ServerBusyError
+from .buckets import Buckets, engine_plan, next_piece
 from .padding import pad_token_id
+from .prefix_cache import PrefixCache
 from .requests import Event, Request, SamplingSettings
 from .slots import SlotCache, SlotSteps, dummy_step
 from .split_model import StepBroadcast
@@ -78,6 +80,9 @@ class GenerationEngine:
             each device call to the other ranks' engines, which run them (`follow`).
         scoring (`bool`): whether requests may score their prompt (`Request.prompt_logprobs`): the
             engine also compiles a scoring prefill of each prefill's shape (see `buckets.engine_plan`).
+        prefix_caching (`bool`): whether a request reuses the keys and values of its prompt's first
+            tokens that a slot holds (see `prefix_cache`): the engine also compiles the pieces that
+            follow a prefix (`suffix` graphs, see `buckets.engine_plan`).
 
     Example:
 
@@ -91,10 +96,11 @@ class GenerationEngine:
 
     def __init__(self, model: PreTrainedModel, buckets: Buckets, tokenizer: PreTrainedTokenizerBase | None = None,
                  *, prefill_budget: int | None = None, queue_size: int | None = None,
-                 broadcast: StepBroadcast | None = None, scoring: bool = False) -> None:
+                 broadcast: StepBroadcast | None = None, scoring: bool = False, prefix_caching: bool = False) -> None:
+        if prefix_caching and broadcast is not None:
+            raise ConfigurationError("prefix caching is not available for a model split between ranks yet")
         self.buckets, self.scoring = buckets, scoring
-        self._model = weakref.ref(model)  # (the model holds its engine: no cycle, it frees on `del`)
-        self.tokenizer = tokenizer
+        self._model, self.tokenizer = weakref.ref(model), tokenizer  # (a weak reference: the model holds its engine)
         slots = buckets.batch_sizes[-1]
         self.device = SlotSteps(model, buckets, broadcast)  # (the slots' cache and the compiled step)
         self.queue_size = queue_size if queue_size is not None else DEFAULT_QUEUE_SIZE_PER_SLOT * slots
@@ -103,13 +109,12 @@ class GenerationEngine:
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.pad_token_id = pad_token_id(model.generation_config, model.get_input_embeddings().num_embeddings)
         self._slots: list[Request | None] = [None] * slots
+        self.prefixes = PrefixCache(slots) if prefix_caching else None  # (what the free slots hold for new prompts)
         self._waiting: collections.deque[Request] = collections.deque()
         self._prefilling: collections.deque[Request] = collections.deque()  # in slots, oldest first
-        self._condition = threading.Condition()
-        self._running = False  # `run` is serving (on some thread)
+        self._condition, self._running = threading.Condition(), False  # (`_running`: `run` serves, on some thread)
         self._driver: threading.Thread | None = None  # the thread of a `complete()` running the turns
-        self._finished = threading.Event()  # `run` returned
-        self._stopping = False
+        self._finished, self._stopping = threading.Event(), False  # (`run` returned; `stop()` was called)
         self.ready = threading.Event()  # set once every graph is compiled
         self._unloaded: collections.deque[tuple] = collections.deque()  # steps of graphs compiled, not yet loaded
         self.failure: BaseException | None = None  # what stopped the engine's thread, if anything did
@@ -268,10 +273,9 @@ class GenerationEngine:
         while not self.ready.wait(0.1 if timeout is None else min(timeout, 0.1)):
             if not self.alive:
                 raise RuntimeError("the serving engine failed while starting") from self.failure
-            if timeout is not None:
-                timeout -= 0.1
-                if timeout <= 0:
-                    raise RuntimeError("the serving engine is not ready yet (compiling its graphs)")
+            timeout = None if timeout is None else timeout - 0.1
+            if timeout is not None and timeout <= 0:
+                raise RuntimeError("the serving engine is not ready yet (compiling its graphs)")
 
     def stop(self, timeout: float | None = None) -> None:
         """Takes no more requests, lets those queued or running finish, and waits (`timeout` seconds
@@ -327,7 +331,8 @@ class GenerationEngine:
         not wait for every graph to load."""
         self._unloaded.clear()
         with contextlib.nullcontext() if self._running else self._driving():  # (the server's thread drives)
-            for graph in tqdm(engine_plan(self.buckets, sampling=sampling, scoring=self.scoring),
+            for graph in tqdm(engine_plan(self.buckets, sampling=sampling, scoring=self.scoring,
+                                          prefix_caching=self.prefixes is not None),
                               desc="Compiling neuron graphs",
                               disable=not show_progress):
                 step = dummy_step(graph, self.pad_token_id)
@@ -346,14 +351,24 @@ class GenerationEngine:
                 self._condition.wait()
             if self._stopping and not self._waiting and not any(self._slots):
                 return False
+            placed = []
             while self._waiting and None in self._slots:
-                slot = self._slots.index(None)
-                request = self._waiting.popleft()
+                request, free = self._waiting.popleft(), [slot for slot, busy in enumerate(self._slots) if not busy]
+                slot = free[0]
+                if self.prefixes is not None:  # (its prompt's first positions may be in a slot already)
+                    slot, donor, request._prefilled = self.prefixes.place(request.prompt, free,
+                                                                          request.prompt_logprobs is None)
+                    placed.append((slot, donor, request))
                 request._slot, self._slots[slot] = slot, request
                 self._prefilling.append(request)
             idle = not any(self._slots)
+        for slot, donor, request in placed:  # (before any step writes into the slots it copies)
+            self.device.reuse(slot, donor, request.prompt[:request._prefilled])
         if idle and self._unloaded:  # (every slot free: a graph `warm_up` left in the compile cache loads now)
-            self.device.forward(*self._unloaded.popleft())
+            ids, positions, *_, slot, _ = step = self._unloaded.popleft()
+            self.device.forward(*step)
+            if self.prefixes is not None:  # (it wrote pad tokens in the first slots, or slot 0, from this position)
+                self.prefixes.overwritten(range(len(ids)) if slot is None else [slot], positions[0][0])
             return True
         self._prefill()
         self._release_finished()
@@ -389,7 +404,8 @@ class GenerationEngine:
             if request.cancelled or not request.prefilling:
                 self._prefilling.popleft()
                 continue
-            start, length, context = self._next_piece(request)
+            start, length, context = next_piece(self.buckets, request._prefilled, len(request.prompt),
+                                                self.prefixes is not None and request.prompt_logprobs is None)
             if spent and spent + length > self.prefill_budget:
                 return
             spent += length
@@ -400,24 +416,9 @@ class GenerationEngine:
             except Exception as error:  # (this request's own: it fails alone, the others go on)
                 self._fail([request], error, "preparing the request")
 
-    def _next_piece(self, request: Request) -> tuple[int, int, int]:
-        """The next piece of `request`'s prompt: (first position, length, context). A prompt that fits
-        a prompt bucket is one piece, padded to it, attending over the bucket (its prefill graph); a
-        longer one is cut in chunks of `chunk` positions, the first over `chunk` (the largest
-        prefill's graph), the others over the smallest context bucket that holds them. The last one
-        is moved back if it would pass `max_length`: it writes again some positions the one before
-        wrote (the same tokens at the same positions), rather than padding beyond the cache."""
-        done, length = request._prefilled, len(request.prompt)
-        if done == 0 and length <= self.chunk:
-            bucket, _ = self.buckets.prompt_shape_for(length)
-            return 0, bucket, bucket
-        start = min(done, self.buckets.max_length - self.chunk)
-        end = start + self.chunk
-        return start, self.chunk, self.chunk if end == self.chunk else self.buckets.context_bucket_for(end)
-
     def _run_piece(self, request: Request, start: int, length: int, context: int) -> None:
         """Writes one piece of `request`'s prompt into its slot; the last piece gives its first token."""
-        if request._prefilled == 0:
+        if request._generator is None:  # (its first piece)
             request._text = TextStream(self.tokenizer, request.stop) if self.tokenizer is not None else None
             seed = request.sampling.seed
             request._generator = torch.Generator().manual_seed(
@@ -432,6 +433,8 @@ class GenerationEngine:
         if scores:
             request.score(start, scores)
         request._prefilled = end
+        if self.prefixes is not None:
+            self.prefixes.written(request._slot, request.prompt[:end])
         if final:
             self._take(request, request.chosen(int(tokens[0]), logits[0]))
 
@@ -445,8 +448,10 @@ class GenerationEngine:
 
     def _decode(self, rows: list[Request | None]) -> None:
         context = self.buckets.context_bucket_for(max(request.position + 1 for request in rows if request))
-        # (a row without a decoding request writes where its slot's next prefill piece writes anyway)
-        idle = [request._prefilled if request is not None else 0 for request in self._slots[:len(rows)]]
+        # (a row without a decoding request writes where its slot's next prefill piece writes anyway, or, free,
+        # at the last position, which no prompt a free slot keeps for the prefix cache reaches)
+        last = self.buckets.max_length - 1
+        idle = [request._prefilled if request is not None else last for request in self._slots[:len(rows)]]
         tokens, logits, _ = self.device.forward(
             [[request.tokens[-1] if request else self.pad_token_id] for request in rows],
             [[request.position if request else position] for request, position in zip(rows, idle, strict=True)],

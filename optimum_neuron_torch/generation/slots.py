@@ -23,7 +23,7 @@ and answer hold, and how many times each was generated, updated by the steps tha
 
 The pad tokens after a prompt write keys that no query reads: a row's decode step at position `p`
 writes `p` before it attends, and attends to positions up to `p` only. A free slot in a decode batch
-writes at position 0, which the next prefill in that slot overwrites.
+writes at its last position, which no prompt kept for the prefix cache reaches.
 """
 
 from __future__ import annotations
@@ -299,13 +299,13 @@ def dummy_step(graph: PlannedGraph, pad_token_id: int) -> tuple[Any, ...]:
     """The arguments of `SlotSteps.forward` that run `graph` (of `buckets.engine_plan`) on pad tokens,
     in slot 0 or the first slots: what it writes there, a request's prefill writes again."""
     context, sampled = graph.context, SamplingSettings(temperature=1.0).row(taken=False)
-    if graph.role.endswith(("prefill", "chunk")):
+    if graph.role.endswith(("prefill", "chunk", "suffix")):
         targets = [[pad_token_id] * graph.tokens] if graph.role.startswith("scoring") else None
         return ([[pad_token_id] * graph.tokens], [list(range(context - graph.tokens, context))], 0, context, [0.5],
                 [sampled], 0, targets)
     sampling = sampled if graph.role == "sampling decode" else SamplingSettings().row(taken=False)
     return ([[pad_token_id]] * graph.batch, [[context - 1]] * graph.batch, 0, context, [0.5] * graph.batch,
-            [sampling] * graph.batch, None)
+            [sampling] * graph.batch, None, None)
 
 
 class SlotSteps:
@@ -325,7 +325,7 @@ class SlotSteps:
         self.step = regions.compile_by_layer(slot_step, whole_because=whole_graphs_reason(model),
                                              **COMPILE_CONFIG.to_dict())
         self.broadcast = broadcast
-        self.graphs = len(engine_plan(buckets, scoring=True))
+        self.graphs = len(engine_plan(buckets, scoring=True, prefix_caching=True))
         self.cache_keys: set[str] = set()  # the compile-cache entries of the graphs run (saved with the model)
 
     @property
@@ -366,6 +366,21 @@ class SlotSteps:
         with self._inputs(ids, positions, last, context, uniform, sampling, slot, targets) as inputs:
             tokens, logits, *scores = self.step(self.model, self.cache, *inputs)
             return tokens.cpu(), logits, tuple(score.cpu() for score in scores)
+
+    def reuse(self, slot: int, donor: int | None, prefix: list[int]) -> None:
+        """Readies `slot` for a request whose first `len(prefix)` positions its cache holds already:
+        copied from slot `donor` (if not None: eager copies, a layer at a time), and what the
+        penalties read of them (the prefix's tokens seen, none generated)."""
+        with torch.no_grad():
+            if donor is not None and prefix:
+                for layer in self.cache.layers:
+                    for tensor in (layer.keys, layer.values):
+                        rows = tensor.view(layer.slots, layer.num_heads, layer.max_cache_len, tensor.shape[-1])
+                        rows[slot, :, :len(prefix)] = rows[donor, :, :len(prefix)]
+            counts = self.cache.tokens
+            counts.seen[slot], counts.counts[slot] = 0.0, 0.0
+            if prefix:
+                counts.seen[slot, prefix] = 1.0
 
     def saved(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
               uniform: list[float], sampling: list[list[float]], slot: int | None,

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..compiler import cache_stats
+from ..generation.prefix_cache import PrefixCache
 from ..generation.requests import Event
 
 PREFIX = "optimum_neuron_torch:"
@@ -68,6 +69,10 @@ class ServerMetrics:
             ("graphs_compiled", "Graphs this process compiled (compile-cache misses).",
              lambda: cache_stats().misses),
             ("graphs_loaded", "Graphs this process loaded from the compile cache.", lambda: cache_stats().hits),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache (with --enable-prefix-caching).",
+             lambda: _prefixes(engine).queried),
+            ("prefix_cache_hits", "Of those, the tokens whose keys and values were reused.",
+             lambda: _prefixes(engine).hits),
         ]
         for name, documentation, read in gauges:
             Gauge(f"{PREFIX}{name}", documentation, **registry).set_function(read)
@@ -105,3 +110,8 @@ class ServerMetrics:
     def exposition(self) -> bytes:
         """Every metric, in Prometheus' text format."""
         return generate_latest(self.registry)
+
+
+def _prefixes(engine: Any) -> Any:
+    """The engine's prefix cache, or an empty one (an engine without, or an embedding engine)."""
+    return getattr(engine, "prefixes", None) or PrefixCache(0)

@@ -56,6 +56,11 @@ class ServeCommand(LibraryCommand):
                             help="Let completions score their prompt (`echo` with `logprobs`, as lm-eval's "
                                  "loglikelihood tasks ask): compiles a scoring prefill per prompt bucket and chunk "
                                  "too (sharing all but its head with the prefill of its shape).")
+        parser.add_argument("--enable-prefix-caching", action="store_true",
+                            help="Reuse the keys and values of a prompt's first tokens that a slot holds from an "
+                                 "earlier request (a shared system prompt, a chat's earlier turns): compiles the "
+                                 "pieces that follow a prefix too (a graph per prompt bucket and context bucket "
+                                 "beyond it).")
         parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json", "mistral"),
                             help="How the model writes tool calls, which answers to requests with `tools` are read "
                                  "for (default: the format its chat template names, if any).")
@@ -78,5 +83,6 @@ class ServeCommand(LibraryCommand):
         serve(args.model, host=args.host, port=args.port, batch_size=args.batch_size, max_length=args.max_length,
               prompt_buckets=args.prompt_buckets, prefill_budget=args.prefill_budget, api_key=args.api_key,
               prompt_logprobs=args.prompt_logprobs, tool_call_parser=args.tool_call_parser, task=args.task,
+              prefix_caching=args.enable_prefix_caching,
               tp_size=args.tp_size, dtype=args.dtype)
         return 0
