@@ -56,12 +56,13 @@ def test_the_plan_has_a_suffix_graph_per_prompt_bucket_and_context_beyond_it_but
 
 @pytest.fixture(scope="module")
 def cached(tmp_path_factory):
-    """An engine of 2 slots and 128 positions, prompt buckets 16 and 48, with prefix caching: (engine, CPU model)."""
+    """An engine of 2 slots and 128 positions, prompt buckets 16 and 48, context buckets 64 and 128, with prefix
+    caching: (engine, CPU model)."""
     cpu_model = noisy_llama(max_position_embeddings=128)
     folder = tmp_path_factory.mktemp("tiny-llama")
     cpu_model.save_pretrained(folder)
     model = ont.NeuronAutoModelForCausalLM.from_pretrained(folder)
-    engine = GenerationEngine(model, Buckets.for_slots(model.config, 2, 128, (16, 48)), prefix_caching=True)
+    engine = GenerationEngine(model, Buckets((1, 2), (16, 48), 128, (64, 128)), prefix_caching=True)
     engine.start(show_progress=False)
     engine.wait_ready(timeout=600)
     deadline = time.monotonic() + 300
@@ -134,6 +135,19 @@ def test_prompts_that_start_alike_reuse_the_keys_and_values_and_answer_as_transf
     scraped = ServerMetrics(engine).registry
     assert [scraped.get_sample_value(f"optimum_neuron_torch:prefix_cache_{name}") for name in ("queries", "hits")] == [
         engine.prefixes.queried, engine.prefixes.hits]
+
+
+def test_a_free_slot_in_a_decode_step_forgets_its_prompt_from_the_position_the_step_writes(cached):
+    """A free slot among the rows of a decode step writes the step's last position (63 with 64 positions): a prompt
+    of 70 tokens it held is reused up to there only (48 tokens, whole blocks), and the answer is Transformers'."""
+    engine, cpu_model = cached
+    engine.prefixes.used = [0, 1]  # (slot 0 the least recently used: the long prompt goes there, the short to 1)
+    long, short = answer(engine, tokens(29, 70), tokens(31, 20), new_tokens=[1, 30])
+    assert (long._slot, short._slot) == (0, 1) and engine.prefixes.held[0] == long.prompt[:63]
+    hits = engine.prefixes.hits
+    [request] = answer(engine, long.prompt[:68] + [5])
+    assert request._slot == 0 and engine.prefixes.hits - hits == 48
+    assert request.tokens == expected(cpu_model, request)
 
 
 def test_a_graph_loaded_while_idle_forgets_only_the_positions_its_pad_tokens_wrote(cached):

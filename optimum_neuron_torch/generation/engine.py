@@ -13,8 +13,8 @@ largest batch bucket, over one `SlotCache`. Each turn of its loop:
    its first token. So a long prompt never stalls the decoding requests for more than one chunk a turn;
 3. one decode step runs for the first `b` slots (`b` the smallest batch bucket that holds every
    decoding slot; the rows of a `generate()` call start together, see `Request.held`), over the
-   smallest context bucket that holds their longest sequence; the other slots among them (free,
-   prefilling, held) compute a token that is thrown away, written where their next piece writes anyway;
+   smallest context bucket that holds their longest sequence; the others among them compute a token
+   thrown away, written where their next piece writes (prefilling, held) or at the step's last position;
 4. each request takes its token; one that is done (end-of-sequence token, stop string,
    `max_tokens`, or its client gone) leaves, and its slot is free for the next turn.
 
@@ -278,8 +278,7 @@ class GenerationEngine:
                 raise RuntimeError("the serving engine is not ready yet (compiling its graphs)")
 
     def stop(self, timeout: float | None = None) -> None:
-        """Takes no more requests, lets those queued or running finish, and waits (`timeout` seconds
-        at most) for `run` to return."""
+        """Takes no more requests, lets those queued or running finish, waits (`timeout` s at most) for `run`."""
         with self._condition:
             self._stopping = True
             self._condition.notify_all()
@@ -323,18 +322,17 @@ class GenerationEngine:
                     logger.exception("a step failed on this rank; the next one runs")
 
     def warm_up(self, show_progress: bool = True, sampling: bool = True, load: bool = True) -> None:
-        """Runs every graph of `buckets.engine_plan` (`sampling`, the engine's `scoring`) once (a progress bar if
-        `show_progress`), on pad tokens: each is compiled, or loaded from the compile cache, before the
-        first request. With `load=False` (the server), a graph the compile cache holds whole (its traced
-        function and every program it runs, see `PrecompiledFunction.saved`) is left for an idle turn of
-        the engine, or the first step that needs it: nothing is left to compile, and a warm start does
-        not wait for every graph to load."""
+        """Runs every graph of `buckets.engine_plan` (`sampling`; the engine's scoring, prefix caching)
+        once (a progress bar if `show_progress`), on pad tokens: each is compiled, or loaded from the
+        compile cache, before the first request. With `load=False` (the server), a graph the compile
+        cache holds whole (its traced function and every program it runs, `PrecompiledFunction.saved`)
+        is left for an idle turn of the engine, or the first step that needs it: nothing is left to
+        compile, and a warm start does not wait for every graph to load."""
         self._unloaded.clear()
         with contextlib.nullcontext() if self._running else self._driving():  # (the server's thread drives)
-            for graph in tqdm(engine_plan(self.buckets, sampling=sampling, scoring=self.scoring,
-                                          prefix_caching=self.prefixes is not None),
-                              desc="Compiling neuron graphs",
-                              disable=not show_progress):
+            plan = engine_plan(self.buckets, sampling=sampling, scoring=self.scoring,
+                               prefix_caching=self.prefixes is not None)
+            for graph in tqdm(plan, desc="Compiling neuron graphs", disable=not show_progress):
                 step = dummy_step(graph, self.pad_token_id)
                 keys = None if load else self.device.saved(*step)
                 if keys is None:
@@ -448,10 +446,12 @@ class GenerationEngine:
 
     def _decode(self, rows: list[Request | None]) -> None:
         context = self.buckets.context_bucket_for(max(request.position + 1 for request in rows if request))
-        # (a row without a decoding request writes where its slot's next prefill piece writes anyway, or, free,
-        # at the last position, which no prompt a free slot keeps for the prefix cache reaches)
-        last = self.buckets.max_length - 1
-        idle = [request._prefilled if request is not None else last for request in self._slots[:len(rows)]]
+        # (a row without a decoding request writes where its slot's next prefill piece writes anyway, or, free, at
+        # the step's last position, which every mask lets it attend; the prefix cache forgets the slot's from there)
+        idle = [request._prefilled if request is not None else context - 1 for request in self._slots[:len(rows)]]
+        if self.prefixes is not None:
+            self.prefixes.overwritten([slot for slot, request in enumerate(self._slots[:len(rows)]) if not request],
+                                      context - 1)
         tokens, logits, _ = self.device.forward(
             [[request.tokens[-1] if request else self.pad_token_id] for request in rows],
             [[request.position if request else position] for request, position in zip(rows, idle, strict=True)],

@@ -23,7 +23,7 @@ and answer hold, and how many times each was generated, updated by the steps tha
 
 The pad tokens after a prompt write keys that no query reads: a row's decode step at position `p`
 writes `p` before it attends, and attends to positions up to `p` only. A free slot in a decode batch
-writes at its last position, which no prompt kept for the prefix cache reaches.
+writes at the step's last position (which the prefix cache then forgets the slot holds).
 """
 
 from __future__ import annotations
