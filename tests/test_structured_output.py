@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import collections
 import json
+import threading
+import time
+from typing import Literal
 
 import pytest
 import torch
@@ -306,3 +309,46 @@ def test_required_and_named_tool_choices_hold_the_answer_to_the_tools_schemas(js
     [expected] = json.loads(tokenizer.decode(grammar_greedy(cpu_model, tokenizer, prompt, grammars.schema(schema, "t"),
                                                             1.0, 64 - len(prompt))[:-1]))
     assert found["function"] == {"name": expected["name"], "arguments": json.dumps(expected["parameters"])}
+
+
+def test_the_official_client_reads_answers_held_to_a_schema_and_tool_calls(json_app):
+    """The `openai` client against the application on localhost: `response_format` with a JSON schema (its own
+    `parse()`, which checks the answer against a pydantic model) and a named tool choice give what the same
+    requests through the ASGI transport give."""
+    app, _, _ = json_app
+    import openai
+    import pydantic
+    import uvicorn
+
+    from testing_utils import free_port
+
+    class Pet(pydantic.BaseModel):
+        digit: int = pydantic.Field(ge=0, le=9)
+        pet: Literal["cat", "dog"]
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "My pet?"}]
+        parsed = client.chat.completions.parse(model=NAME, messages=messages, response_format=Pet, max_tokens=20,
+                                               temperature=0).choices[0].message
+        strict = Pet.model_json_schema() | {"additionalProperties": False}  # (the schema as the client sends it)
+        expected = call(app, "POST", "/v1/chat/completions", json={
+            "model": NAME, "messages": messages, "max_tokens": 20, "temperature": 0, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "Pet", "schema": strict, "strict": True}}}
+        ).json()["choices"][0]
+        assert parsed.content == expected["message"]["content"] and parsed.parsed == Pet.model_validate_json(
+            expected["message"]["content"])
+        answer = client.chat.completions.create(model=NAME, messages=messages, max_tokens=20, temperature=0,
+                                                tools=[WEATHER, TIME], tool_choice={
+                                                    "type": "function", "function": {"name": "get_time"}})
+        [found] = answer.choices[0].message.tool_calls
+        assert found.function.name == "get_time" and json.loads(found.function.arguments)["zone"] in ("utc", "cet")
+    finally:
+        server.should_exit = True
+        thread.join(30)
