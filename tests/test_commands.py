@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ import optimum_neuron_torch
 from optimum_neuron_torch.commands.models import load_generative_model
 from optimum_neuron_torch.commands.serve import serving_buckets
 from optimum_neuron_torch.compiler.cache import CompileCache, cache_stats, reset_cache_stats
+from optimum_neuron_torch.generation.buckets import Buckets
 from optimum_neuron_torch.generation.engine import GenerationEngine
 from optimum_neuron_torch.settings import COMPILE_CACHE_ENV as CACHE_ENV
 from testing_utils import optimum_cli
@@ -164,6 +166,15 @@ def test_serve_on_a_compiled_and_saved_model_compiles_nothing(compiled, monkeypa
     engine.warm_up(show_progress=False)
     assert (cache_stats().misses, cache_stats().hits) == (0, RUN)
     assert serving_buckets(model, batch_size=2).batch_sizes == (1, 2)  # (options given replace the saved ones)
+
+
+def test_serve_with_a_shorter_max_length_keeps_the_prompt_buckets_that_fit():
+    """`serve --max-length 512` on a model saved with prompt buckets up to 1024: those up to half of 512."""
+    model = SimpleNamespace(config=transformers.LlamaConfig(max_position_embeddings=4096),
+                            neuron_generation=SimpleNamespace(buckets=Buckets((1, 8), (16, 64, 256, 1024), 2048)))
+    assert serving_buckets(model, max_length=512) == Buckets((1, 2, 4, 8), (16, 64, 256), 512)
+    assert serving_buckets(model, max_length=20).prompt_buckets == (10,)  # (none fits: the defaults for 20)
+    assert serving_buckets(model, max_length=512, prompt_buckets=(32,)).prompt_buckets == (32,)
 
 
 @pytest.mark.parametrize("model_as", ["MODEL", "--model"])

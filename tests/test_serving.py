@@ -596,9 +596,11 @@ def start_command(folder: Path, *arguments: str, env: dict[str, str] | None = No
 
 def test_the_command_serves_on_localhost_and_drains_on_sigterm(folder, cpu_model, tokenizer):
     """`optimum-cli neuron-torch serve`: binds 127.0.0.1; on SIGTERM it takes no new request, finishes
-    the one streaming, and exits 0."""
-    # (one slot and one prompt bucket: 4 graphs to compile, and the 2 that score prompts)
+    the one streaming, and exits 0. With `--speculative-config`, its one request at a time is speculated
+    (`/metrics` counts the drafts), and the answers are still Transformers' greedy ones."""
+    # (one slot and one prompt bucket: 4 graphs to compile, the 2 that score prompts, a verify graph per context)
     process, url = start_command(folder, "--batch-size", "1", "--prompt-buckets", "16", "--prompt-logprobs",
+                                 "--speculative-config", '{"num_speculative_tokens": 3, "prompt_lookup_min": 1}',
                                  env={**os.environ, "OPTIMUM_NEURON_TORCH_API_KEY": "secret"})
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="secret", max_retries=0)
@@ -610,6 +612,12 @@ def test_the_command_serves_on_localhost_and_drains_on_sigterm(folder, cpu_model
         scored = client.completions.create(model=str(folder), prompt=prompt, max_tokens=1, logprobs=0, echo=True)
         assert scored.choices[0].logprobs.token_logprobs[1:-1] == pytest.approx(
             logprobs.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist(), abs=1e-4)
+        answer = client.completions.create(model=str(folder), prompt=QUESTIONS[5], max_tokens=40, temperature=0)
+        assert answer.choices[0].text == greedy_answer(cpu_model, tokenizer, tokenizer(QUESTIONS[5]).input_ids, 40)[1]
+        metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer secret"}).text
+        [drafts] = [line.split()[1] for line in metrics.splitlines()
+                    if line.startswith("optimum_neuron_torch:spec_decode_num_drafts ")]
+        assert float(drafts) > 0
         stream = client.completions.create(model=str(folder), prompt=QUESTIONS[6], max_tokens=40, temperature=0,
                                            stream=True)
         text = [next(stream).choices[0].text]

@@ -30,22 +30,24 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int 
           prompt_buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
           api_key: str | None = None, tp_size: int = 1, dtype: str | None = None,
           prompt_logprobs: bool = False, tool_call_parser: str | None = None, task: str | None = None,
-          prefix_caching: bool = False) -> None:
+          prefix_caching: bool = False, speculative_config: str | None = None) -> None:
     """Serves `model_id` (default: the library's default model, or with `task="embed"` the packaged
     all-MiniLM-L6-v2) until SIGTERM or Ctrl-C; clients name it `model_id` (or its default's name).
     `task` is `generate` (chat and completions: the engine runs `serving_buckets`, with the graphs
     that score prompts if `prompt_logprobs`, and those that follow a cached prefix if `prefix_caching`;
+    speculative decoding as `speculative_config` says, a JSON object of `SpeculativeConfig`'s fields;
     tool calls read by `tool_call_parser`, default: the
     format the chat template names) or `embed` (`/v1/embeddings`, see `serving.embedding_engine`);
     default: `embed` for a sentence-transformers folder, else `generate`.
 
     Raises:
         MissingDependencyError: FastAPI, uvicorn or openai is not installed (the `serve` extra).
-        ConfigurationError: a model the engine cannot serve (names why), or an embedding model split
-            between ranks.
+        ConfigurationError: a model the engine cannot serve (names why), an embedding model split
+            between ranks, or a speculative config it refuses (names the field).
     """
     try:
         from ..generation.engine import GenerationEngine
+        from ..generation.speculation import Speculation, SpeculativeConfig
         from ..generation.split_model import StepBroadcast
         from ..serving.embedding_engine import EmbeddingEngine
         from ..serving.server import run_server
@@ -64,17 +66,25 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int 
                    api_key=api_key if api_key is not None else settings.serving_api_key())
         return
     folder = str(default_model_path()) if model_id is None else model_id
+    speculation = None
+    if speculative_config is not None:
+        if tp_size > 1:
+            raise ConfigurationError("speculative decoding is not available for a model split between ranks yet: "
+                                     "leave out --speculative-config or --tensor-parallel-size")
+        speculative = SpeculativeConfig.from_json(speculative_config)
+        draft = load_generative_model(speculative.model, 1, dtype) if speculative.model is not None else None
+        speculation = Speculation(speculative, draft)
     model = load_generative_model(folder, tp_size, dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     buckets = serving_buckets(model, batch_size=batch_size, max_length=max_length, prompt_buckets=prompt_buckets)
     engine = GenerationEngine(model, buckets, tokenizer, prefill_budget=prefill_budget,
                               broadcast=StepBroadcast() if tp_size > 1 else None, scoring=prompt_logprobs,
-                              prefix_caching=prefix_caching)
+                              prefix_caching=prefix_caching, speculation=speculation)
     if not is_first_rank():
         # (rank 0 decides when the job stops: it drains its requests, then tells the others)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
-        engine.follow()
+        engine.device.follow()  # (until rank 0's engine stops)
         return
     run_server(engine, model_id or DEFAULT_MODEL,  # (what clients call the default model)
                host=host, port=port, drain_seconds=DRAIN_SECONDS,
@@ -86,9 +96,11 @@ def serving_buckets(model: PreTrainedModel, *, batch_size: int | None = None, ma
     """The buckets the server runs `model` on: the model's (those it was saved with by `compile
     --save`, whose graphs then load, else the defaults), or, with any of these given, `batch_size`
     slots (default: the model's largest batch bucket), `max_length` and `prompt_buckets` (default:
-    the model's)."""
+    the model's up to half of `max_length`, or if none is, the defaults for `max_length`)."""
     buckets = model.neuron_generation.buckets
     if (batch_size, max_length, prompt_buckets) == (None, None, None):
         return buckets
-    return Buckets.for_slots(model.config, batch_size or buckets.batch_sizes[-1], max_length or buckets.max_length,
-                             prompt_buckets or buckets.prompt_buckets)
+    max_length = max_length or buckets.max_length
+    prompt_buckets = (prompt_buckets or tuple(length for length in buckets.prompt_buckets if 2 * length <= max_length)
+                      or Buckets.default(model.config, max_length).prompt_buckets)
+    return Buckets.for_slots(model.config, batch_size or buckets.batch_sizes[-1], max_length, prompt_buckets)

@@ -190,14 +190,15 @@ def chunk_contexts(buckets: Buckets) -> tuple[int, ...]:
 
 
 def engine_plan(buckets: Buckets, *, sampling: bool = True, scoring: bool = False,
-                prefix_caching: bool = False) -> list[PlannedGraph]:
+                prefix_caching: bool = False, speculative_tokens: int = 0) -> list[PlannedGraph]:
     """Every graph the generation engine (`engine.GenerationEngine`) runs for `buckets`: a prefill of
     one prompt per prompt bucket (over the bucket), a chunk per `chunk_contexts`, per batch and
     context bucket a greedy decode step and, with `sampling`, one that samples; with `scoring`, a
     prefill and a chunk of each of those shapes that also scores every prompt token (see
     `slots.slot_step`); with `prefix_caching`, a `suffix` per prompt bucket and context bucket
     beyond it (the rest of a prompt after a prefix its slot holds, from any position: see
-    `prefix_cache`), but those the chunks are.
+    `prefix_cache`), but those the chunks are; with `speculative_tokens` k, a `verify` of one row and
+    k + 1 tokens per context bucket (see `speculation`).
 
     Example:
         >>> len(engine_plan(Buckets((1, 2), (8, 16), 64, (32, 64))))  # 2 prefills, 2 chunks, 2 x 2 x 2 decode steps
@@ -217,6 +218,9 @@ def engine_plan(buckets: Buckets, *, sampling: bool = True, scoring: bool = Fals
         chunks = {(graph.tokens, graph.context) for graph in plan if graph.role == "chunk"}
         plan += [PlannedGraph("suffix", 1, tokens, context) for tokens in buckets.prompt_buckets
                  for context in buckets.context_buckets if context > tokens and (tokens, context) not in chunks]
+    if speculative_tokens:
+        plan += [PlannedGraph("verify", 1, speculative_tokens + 1, context) for context in buckets.context_buckets
+                 if context > speculative_tokens + 1]
     return plan
 
 
@@ -306,8 +310,9 @@ def distinct_programs(plan: list[PlannedGraph], layer_kinds: int = 1, engine: bo
     """
     if engine:
         shapes = {(graph.batch, graph.tokens, graph.context) for graph in plan}
-        after = {(graph.role != "decode", graph.role.startswith("scoring"), graph.batch, graph.tokens)
-                 for graph in plan}
+        # (a greedy decode step takes the argmax, a verify step every position's, the others sample)
+        after = {(graph.role if graph.role in ("decode", "verify") else "sampling", graph.role.startswith("scoring"),
+                  graph.batch, graph.tokens) for graph in plan}
         return len(shapes) * (1 + layer_kinds) + len(after)
     before = {(graph.role == "encoder", graph.batch, graph.tokens, graph.context if graph.tokens == 1 else None)
               for graph in plan}

@@ -14,17 +14,18 @@ largest batch bucket, over one `SlotCache`. Each turn of its loop:
 3. one decode step runs for the first `b` slots (`b` the smallest batch bucket that holds every
    decoding slot; the rows of a `generate()` call start together, see `Request.held`), over the
    smallest context bucket that holds their longest sequence; the others among them compute a token
-   thrown away, written where their next piece writes (prefilling, held) or at the step's last position;
+   thrown away, written where their next piece writes (prefilling, held) or at the step's last position
+   (with `speculation`, a request decoding alone may verify drafted tokens instead, see `speculation`);
 4. each request takes its token; one that is done (end-of-sequence token, stop string,
    `max_tokens`, or its client gone) leaves, and its slot is free for the next turn.
 
-So the graphs are those of `buckets.engine_plan`: one prefill per prompt bucket, a chunk per context
-bucket a long prompt's chunks reach, and two decode steps (greedy, and sampling) per (batch bucket,
-context bucket). The server compiles all of them before its first request (`warm_up()`), so no mix
-of requests compiles anything; those a previous run left whole in the compile cache it loads when
-idle, or at the first step that needs one (a restart is ready in seconds); `generate()` compiles
-each the first time it meets it, unless `precompile()` did. Every row of a step is computed as if
-alone (its positions, mask and random numbers): a request's tokens do not depend on the others.
+So the graphs are those of `buckets.engine_plan` (a prefill per prompt bucket, chunks of long prompts,
+greedy and sampling decode steps per batch and context bucket). The server compiles all of them
+before its first request (`warm_up()`), so no mix of requests compiles anything; those a previous
+run left whole in the compile cache it loads when idle, or at the first step that needs one;
+`generate()` compiles each the first time it meets it, unless `precompile()` did. Every row of a
+step is computed as if alone (its positions, mask and random numbers): a request's tokens do not
+depend on the others.
 
 Requests come from any thread: the HTTP server's event loop through `submit()`, `generate()` calls
 through `complete()`, which share the steps. What each one produces goes to the `on_event` callback
@@ -51,6 +52,7 @@ from .padding import pad_token_id
 from .prefix_cache import PrefixCache
 from .requests import Event, Request, SamplingSettings
 from .slots import SlotCache, SlotSteps, dummy_step
+from .speculation import Speculation
 from .split_model import StepBroadcast
 from .text import TextStream
 
@@ -83,6 +85,8 @@ class GenerationEngine:
         prefix_caching (`bool`): whether a request reuses the keys and values of its prompt's first
             tokens that a slot holds (see `prefix_cache`): the engine also compiles the pieces that
             follow a prefix (`suffix` graphs, see `buckets.engine_plan`).
+        speculation (`Speculation`, *optional*): speculative decoding of a request decoding alone (see
+            `speculation`): the engine also compiles its `verify` graphs (and a draft model's).
 
     Example:
 
@@ -96,9 +100,11 @@ class GenerationEngine:
 
     def __init__(self, model: PreTrainedModel, buckets: Buckets, tokenizer: PreTrainedTokenizerBase | None = None,
                  *, prefill_budget: int | None = None, queue_size: int | None = None,
-                 broadcast: StepBroadcast | None = None, scoring: bool = False, prefix_caching: bool = False) -> None:
-        if prefix_caching and broadcast is not None:
-            raise ConfigurationError("prefix caching is not available for a model split between ranks yet")
+                 broadcast: StepBroadcast | None = None, scoring: bool = False, prefix_caching: bool = False,
+                 speculation: Speculation | None = None) -> None:
+        if (prefix_caching or speculation) and broadcast is not None:
+            raise ConfigurationError("prefix caching and speculative decoding are not available for a model split "
+                                     "between ranks yet")
         self.buckets, self.scoring = buckets, scoring
         self._model, self.tokenizer = weakref.ref(model), tokenizer  # (a weak reference: the model holds its engine)
         slots = buckets.batch_sizes[-1]
@@ -110,6 +116,9 @@ class GenerationEngine:
         self.pad_token_id = pad_token_id(model.generation_config, model.get_input_embeddings().num_embeddings)
         self._slots: list[Request | None] = [None] * slots
         self.prefixes = PrefixCache(slots) if prefix_caching else None  # (what the free slots hold for new prompts)
+        self.speculation = speculation
+        if speculation is not None:  # (Dynamo's recompile limit counts its graphs too)
+            self.device.graphs += speculation.bind(model, buckets, self.pad_token_id)
         self._waiting: collections.deque[Request] = collections.deque()
         self._prefilling: collections.deque[Request] = collections.deque()  # in slots, oldest first
         self._condition, self._running = threading.Condition(), False  # (`_running`: `run` serves, on some thread)
@@ -171,11 +180,8 @@ class GenerationEngine:
             prompt_field (`str`): what the errors about its prompt name as the field at fault.
 
         Raises:
-            InvalidRequestError: an empty prompt, a prompt above the largest prompt bucket,
-                `max_tokens` beyond what the cache holds after the prompt (names the field), or
-                `prompt_logprobs` asked of an engine without `scoring`.
-            ServerBusyError: the queue is full, or the engine is not serving (starting, stopping,
-                or failed).
+            InvalidRequestError: what `Request.check` refuses (names the field).
+            ServerBusyError: the queue is full, or the engine is not serving (starting, stopping, or failed).
         """
         request.check(self.buckets.max_length, prompt_field, self.scoring)
         with self._condition:
@@ -289,8 +295,8 @@ class GenerationEngine:
         """Runs the engine on this thread until `stop()`: compiles (or loads) every graph (`warm_up`),
         sets `ready`, then serves the requests submitted (see the module's docstring).
 
-        The server runs it on the main thread: on the reference device, the compiled graphs' CPU kernels run up
-        to 1.7x slower on another thread (OpenMP's threads of a second team; benchmarks/RESULTS.md, "Serving")."""
+        The server runs it on the main thread: on the reference device, compiled CPU kernels run up to 1.7x
+        slower on another thread (OpenMP's threads of a second team; benchmarks/RESULTS.md, "Serving")."""
         self._running = True
         self._finished.clear()
         try:
@@ -309,29 +315,18 @@ class GenerationEngine:
             if self.device.broadcast is not None:
                 self.device.broadcast.send(None)
 
-    def follow(self) -> None:
-        """On a rank other than 0 of a split model: runs the device calls rank 0's engine sends, until
-        it stops."""
-        with self.device.compiling():
-            while (call := self.device.broadcast.receive()) is not None:
-                try:
-                    self.device.run(*call)
-                except DEVICE_OR_JOB_FAILURES:
-                    raise
-                except Exception:  # (rank 0 met it too: the step's requests fail, the engine goes on)
-                    logger.exception("a step failed on this rank; the next one runs")
-
     def warm_up(self, show_progress: bool = True, sampling: bool = True, load: bool = True) -> None:
-        """Runs every graph of `buckets.engine_plan` (`sampling`; the engine's scoring, prefix caching)
-        once (a progress bar if `show_progress`), on pad tokens: each is compiled, or loaded from the
-        compile cache, before the first request. With `load=False` (the server), a graph the compile
+        """Runs every graph of `buckets.engine_plan` (`sampling`; the engine's scoring, prefix caching,
+        speculation, and a draft model's) once (a progress bar if `show_progress`), on pad tokens: each
+        is compiled, or loaded, before the first request. With `load=False` (the server), a graph the compile
         cache holds whole (its traced function and every program it runs, `PrecompiledFunction.saved`)
         is left for an idle turn of the engine, or the first step that needs it: nothing is left to
         compile, and a warm start does not wait for every graph to load."""
         self._unloaded.clear()
         with contextlib.nullcontext() if self._running else self._driving():  # (the server's thread drives)
             plan = engine_plan(self.buckets, sampling=sampling, scoring=self.scoring,
-                               prefix_caching=self.prefixes is not None)
+                               prefix_caching=self.prefixes is not None,
+                               speculative_tokens=self.speculation.tokens if self.speculation else 0)
             for graph in tqdm(plan, desc="Compiling neuron graphs", disable=not show_progress):
                 step = dummy_step(graph, self.pad_token_id)
                 keys = None if load else self.device.saved(*step)
@@ -340,6 +335,8 @@ class GenerationEngine:
                 else:
                     self.device.cache_keys |= keys
                     self._unloaded.append(step)
+            if self.speculation is not None:
+                self.speculation.drafter.warm_up()
 
     def _turn(self, wait: bool = True) -> bool:
         """One turn of the loop (see the module's docstring), after waiting for work if `wait`; False
@@ -363,8 +360,9 @@ class GenerationEngine:
         for slot, donor, request in placed:  # (before any step writes into the slots it copies)
             self.device.reuse(slot, donor, request.prompt[:request._prefilled])
         if idle and self._unloaded:  # (every slot free: a graph `warm_up` left in the compile cache loads now)
-            ids, positions, *_, slot, _ = step = self._unloaded.popleft()
+            ids, positions, *_, slot, _, _ = step = self._unloaded[0]
             self.device.forward(*step)
+            self._unloaded.popleft()  # (once loaded: `graphs_unloaded` counts it until then)
             if self.prefixes is not None:  # (it wrote pad tokens in the first slots, or slot 0, from this position)
                 self.prefixes.overwritten(range(len(ids)) if slot is None else [slot], positions[0][0])
             return True
@@ -373,7 +371,8 @@ class GenerationEngine:
         rows = self._decoding_rows()
         if rows:
             try:
-                self._decode(rows)
+                if self.speculation is None or not self.speculation.step(self, rows):
+                    self._decode(rows)
             except DEVICE_OR_JOB_FAILURES:
                 raise
             except Exception as error:  # (the requests of this step fail; the engine takes the next ones)
@@ -437,8 +436,8 @@ class GenerationEngine:
             self._take(request, request.chosen(int(tokens[0]), logits[0]))
 
     def _decoding_rows(self) -> list[Request | None]:
-        """The rows of the next decode step: the first slots, up to the smallest batch bucket that holds
-        every decoding request, None where a slot is free, prefilling, or `held`."""
+        """The rows of the next decode step: the first slots, up to the smallest batch bucket holding
+        every decoding request (None: a slot free, prefilling, or `held`)."""
         decoding = [request if request is not None and not (request.prefilling or request.cancelled or request.held)
                     else None for request in self._slots]
         last = max((slot for slot, request in enumerate(decoding) if request is not None), default=None)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ from .compiling import COMPILE_CONFIG, QUIET_WHILE_TRACED
 from .requests import MAX_LOGPROBS, NO_PENALTIES, PENALTIES, TAKEN, WARPERS, SamplingSettings
 from .sampling import penalize, sample
 from .split_model import StepBroadcast, embeddings_without_padding_index, tensor_parallel_mesh, whole_graphs_reason
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -224,7 +227,7 @@ def head_shapes(model: PreTrainedModel, config: Any, layers: list[Any]) -> list[
 
 def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor, positions: torch.Tensor,
               last: torch.Tensor, sampling: torch.Tensor, uniform: torch.Tensor, sampled: bool,
-              targets: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+              targets: torch.Tensor | None = None, verify: bool = False) -> tuple[torch.Tensor, ...]:
     """What gets compiled: one step of the slots in `cache.writes` (a prefill or a decode step, see
     the module's docstring), returning the token chosen for each row, and the logits it was chosen
     from (before the penalties), which stay on the device unless the host chooses a row's token.
@@ -244,12 +247,15 @@ def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor,
         targets (`torch.Tensor`, *optional*): int64 `[1, tokens]`, for a prefill piece that scores
             its prompt (a graph of its own, see `buckets.engine_plan`): the token that follows each
             position (what the model is scored on predicting there).
+        verify (`bool`): for a piece of speculative decoding (its own graphs, see `speculation`): the
+            greedy token after every position instead (`sampling` and `uniform` unread).
 
     Returns:
         `tuple[torch.Tensor, ...]`: the tokens, int64 `[rows]`, and the logits of the position that
         chose them, `[rows, vocab]` in the model's dtype; with `targets`, also the scores of each
         position (the log-probability of its target, and the `MAX_LOGPROBS` largest ones with their tokens:
-        float32 `[tokens]`, float32 and int64 `[tokens, MAX_LOGPROBS]`), from its raw logits.
+        float32 `[tokens]`, float32 and int64 `[tokens, MAX_LOGPROBS]`), from its raw logits. With
+        `verify`, the tokens and logits of every position of its one row (`[tokens]`, `[tokens, vocab]`).
     """
     keys = torch.arange(cache.writes.context, device=positions.device)[None, None, None, :]
     queries = positions[:, None, :, None]
@@ -260,6 +266,10 @@ def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor,
         mask = {"full_attention": mask, "sliding_attention": sliding} if cache.mixed_layers else sliding
     else:
         mask = _as_attention_takes(mask, model)
+    if verify:  # (the greedy token after each position, as a decode step without penalties takes it)
+        logits = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache,
+                       use_cache=True).logits[0]
+        return logits.argmax(-1), logits
     if targets is None:
         logits = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
                        logits_to_keep=last).logits[:, -1]
@@ -299,13 +309,13 @@ def dummy_step(graph: PlannedGraph, pad_token_id: int) -> tuple[Any, ...]:
     """The arguments of `SlotSteps.forward` that run `graph` (of `buckets.engine_plan`) on pad tokens,
     in slot 0 or the first slots: what it writes there, a request's prefill writes again."""
     context, sampled = graph.context, SamplingSettings(temperature=1.0).row(taken=False)
-    if graph.role.endswith(("prefill", "chunk", "suffix")):
+    if graph.role.endswith(("prefill", "chunk", "suffix", "verify")):
         targets = [[pad_token_id] * graph.tokens] if graph.role.startswith("scoring") else None
         return ([[pad_token_id] * graph.tokens], [list(range(context - graph.tokens, context))], 0, context, [0.5],
-                [sampled], 0, targets)
+                [sampled], 0, targets, graph.role == "verify")
     sampling = sampled if graph.role == "sampling decode" else SamplingSettings().row(taken=False)
     return ([[pad_token_id]] * graph.batch, [[context - 1]] * graph.batch, 0, context, [0.5] * graph.batch,
-            [sampling] * graph.batch, None, None)
+            [sampling] * graph.batch, None, None, False)
 
 
 class SlotSteps:
@@ -349,23 +359,37 @@ class SlotSteps:
 
     def forward(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
                 uniform: list[float], sampling: list[list[float]], slot: int | None = None,
-                targets: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+                targets: list[list[int]] | None = None, verify: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         """One step (a prefill piece into `slot`, or a decode step of the first slots, see `slot_step`),
         sent to the other ranks first if split: the chosen tokens, on the host, the logits they
         were chosen from, on the device, and with `targets` the scores of the piece's positions, on
-        the host (else an empty tuple)."""
+        the host (else an empty tuple); with `verify`, the greedy token of each position (`slot_step`)."""
         if self.broadcast is not None:
-            self.broadcast.send((ids, positions, last, context, uniform, sampling, slot, targets))
-        return self.run(ids, positions, last, context, uniform, sampling, slot, targets)
+            self.broadcast.send((ids, positions, last, context, uniform, sampling, slot, targets, verify))
+        return self.run(ids, positions, last, context, uniform, sampling, slot, targets, verify)
 
     def run(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
             uniform: list[float], sampling: list[list[float]], slot: int | None,
-            targets: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+            targets: list[list[int]] | None = None, verify: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         """One step on this rank. A prefill always runs the graph that can sample (one row: it costs
         little); a decode step, only if a row samples or has penalties."""
-        with self._inputs(ids, positions, last, context, uniform, sampling, slot, targets) as inputs:
+        with self._inputs(ids, positions, last, context, uniform, sampling, slot, targets, verify) as inputs:
             tokens, logits, *scores = self.step(self.model, self.cache, *inputs)
             return tokens.cpu(), logits, tuple(score.cpu() for score in scores)
+
+    def follow(self) -> None:
+        """On a rank other than 0 of a split model: runs the device calls rank 0's engine sends, until
+        it stops."""
+        with self.compiling():
+            while (call := self.broadcast.receive()) is not None:
+                try:
+                    self.run(*call)
+                except errors.DEVICE_OR_JOB_FAILURES:
+                    raise
+                except Exception:  # (rank 0 met it too: the step's requests fail, the engine goes on)
+                    logger.exception("a step failed on this rank; the next one runs")
 
     def reuse(self, slot: int, donor: int | None, prefix: list[int]) -> None:
         """Readies `slot` for a request whose first `len(prefix)` positions its cache holds already:
@@ -384,16 +408,16 @@ class SlotSteps:
 
     def saved(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
               uniform: list[float], sampling: list[list[float]], slot: int | None,
-              targets: list[list[int]] | None = None) -> set[str] | None:
+              targets: list[list[int]] | None = None, verify: bool = False) -> set[str] | None:
         """The compile-cache entries the step `run` takes with these inputs, when it would trace and
         compile nothing, else None (see `PrecompiledFunction.saved`); runs nothing."""
-        with self._inputs(ids, positions, last, context, uniform, sampling, slot, targets) as inputs:
+        with self._inputs(ids, positions, last, context, uniform, sampling, slot, targets, verify) as inputs:
             return self.step.saved(self.model, self.cache, *inputs)
 
     @contextlib.contextmanager
     def _inputs(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
                 uniform: list[float], sampling: list[list[float]], slot: int | None,
-                targets: list[list[int]] | None) -> Iterator[tuple[Any, ...]]:
+                targets: list[list[int]] | None, verify: bool) -> Iterator[tuple[Any, ...]]:
         """Within: the step's inputs on the device (after the model and the cache), the cache's writes
         set for them and the model's attention packed."""
         device = self.model.device
@@ -408,6 +432,6 @@ class SlotSteps:
                 yield (torch.tensor(ids, device=device), positions_tensor, torch.tensor([last], device=device),
                        torch.tensor(sampling, device=device),
                        torch.tensor(uniform, dtype=torch.float32, device=device), sampled,
-                       None if targets is None else torch.tensor(targets, device=device))
+                       None if targets is None else torch.tensor(targets, device=device), verify)
         finally:  # (between steps the device holds the cache only)
             writes.positions = writes.slot = None

@@ -73,6 +73,11 @@ class ServerMetrics:
              lambda: _prefixes(engine).queried),
             ("prefix_cache_hits", "Of those, the tokens whose keys and values were reused.",
              lambda: _prefixes(engine).hits),
+            ("spec_decode_num_drafts", "Verify steps of speculative decoding (with --speculative-config).",
+             lambda: _speculation(engine, "steps")),
+            ("spec_decode_num_draft_tokens", "Tokens drafted.", lambda: _speculation(engine, "drafted")),
+            ("spec_decode_num_accepted_tokens", "Of those, the tokens taken (equal to the model's greedy ones).",
+             lambda: _speculation(engine, "accepted")),
         ]
         for name, documentation, read in gauges:
             Gauge(f"{PREFIX}{name}", documentation, **registry).set_function(read)
@@ -115,3 +120,8 @@ class ServerMetrics:
 def _prefixes(engine: Any) -> Any:
     """The engine's prefix cache, or an empty one (an engine without, or an embedding engine)."""
     return getattr(engine, "prefixes", None) or PrefixCache(0)
+
+
+def _speculation(engine: Any, count: str) -> int:
+    """A count of the engine's speculative decoding (`Speculation`), or 0 without."""
+    return getattr(getattr(engine, "speculation", None), count, 0)

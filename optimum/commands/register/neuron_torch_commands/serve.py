@@ -61,6 +61,12 @@ class ServeCommand(LibraryCommand):
                                  "earlier request (a shared system prompt, a chat's earlier turns): compiles the "
                                  "pieces that follow a prefix too (a graph per prompt bucket and context bucket "
                                  "beyond it).")
+        parser.add_argument("--speculative-config",
+                            help="Speculative decoding of a request decoding alone, greedy, as a JSON object (vLLM's "
+                                 "fields): {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                                 "\"prompt_lookup_max\": 3, \"prompt_lookup_min\": 2} (prompt lookup) or "
+                                 "{\"method\": \"draft_model\", \"model\": FOLDER, \"num_speculative_tokens\": 4}; "
+                                 "compiles a verify graph per context bucket (and the draft model's graphs).")
         parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json", "mistral"),
                             help="How the model writes tool calls, which answers to requests with `tools` are read "
                                  "for (default: the format its chat template names, if any).")
@@ -83,6 +89,6 @@ class ServeCommand(LibraryCommand):
         serve(args.model, host=args.host, port=args.port, batch_size=args.batch_size, max_length=args.max_length,
               prompt_buckets=args.prompt_buckets, prefill_budget=args.prefill_budget, api_key=args.api_key,
               prompt_logprobs=args.prompt_logprobs, tool_call_parser=args.tool_call_parser, task=args.task,
-              prefix_caching=args.enable_prefix_caching,
+              prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
               tp_size=args.tp_size, dtype=args.dtype)
         return 0
