@@ -165,8 +165,8 @@ class ModelNotFoundError(InvalidRequestError):
     """A request naming a model (or adapter) the server does not serve (404, as the OpenAI API
     answers it: `model_not_found`)."""
 
-    def __init__(self, message: str) -> None:
-        super().__init__(message, "model")
+    def __init__(self, message: str, param: str = "model") -> None:
+        super().__init__(message, param)
 
 
 class ServerBusyError(NeuronTorchError, RuntimeError):

@@ -13,7 +13,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedModel
 
 from .. import settings
-from ..errors import ConfigurationError, MissingDependencyError
+from ..errors import ConfigurationError, InvalidRequestError, MissingDependencyError
 from ..generation.buckets import Buckets
 from ..loading import DEFAULT_MODEL, default_model_path
 from ..modeling import NeuronAutoModel
@@ -30,12 +30,15 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int 
           prompt_buckets: tuple[int, ...] | None = None, prefill_budget: int | None = None,
           api_key: str | None = None, tp_size: int = 1, dtype: str | None = None,
           prompt_logprobs: bool = False, tool_call_parser: str | None = None, task: str | None = None,
-          prefix_caching: bool = False, speculative_config: str | None = None) -> None:
+          prefix_caching: bool = False, speculative_config: str | None = None, enable_lora: bool = False,
+          lora_modules: list[str] | None = None, max_loras: int = 4, max_lora_rank: int = 16) -> None:
     """Serves `model_id` (default: the library's default model, or with `task="embed"` the packaged
     all-MiniLM-L6-v2) until SIGTERM or Ctrl-C; clients name it `model_id` (or its default's name).
     `task` is `generate` (chat and completions: the engine runs `serving_buckets`, with the graphs
     that score prompts if `prompt_logprobs`, and those that follow a cached prefix if `prefix_caching`;
     speculative decoding as `speculative_config` says, a JSON object of `SpeculativeConfig`'s fields;
+    with `enable_lora` (or `lora_modules`, each `name=folder` of a PEFT adapter), `max_loras` LoRA
+    adapters of rank up to `max_lora_rank` (see `lora_adapters`);
     tool calls read by `tool_call_parser`, default: the
     format the chat template names) or `embed` (`/v1/embeddings`, see `serving.embedding_engine`);
     default: `embed` for a sentence-transformers folder, else `generate`.
@@ -43,10 +46,12 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int 
     Raises:
         MissingDependencyError: FastAPI, uvicorn or openai is not installed (the `serve` extra).
         ConfigurationError: a model the engine cannot serve (names why), an embedding model split
-            between ranks, or a speculative config it refuses (names the field).
+            between ranks, a speculative config it refuses (names the field), or a LoRA adapter it
+            cannot load (names it and why).
     """
     try:
         from ..generation.engine import GenerationEngine
+        from ..generation.lora_adapters import AdapterSlots
         from ..generation.speculation import Speculation, SpeculativeConfig
         from ..generation.split_model import StepBroadcast
         from ..serving.embedding_engine import EmbeddingEngine
@@ -80,6 +85,16 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int 
     engine = GenerationEngine(model, buckets, tokenizer, prefill_budget=prefill_budget,
                               broadcast=StepBroadcast() if tp_size > 1 else None, scoring=prompt_logprobs,
                               prefix_caching=prefix_caching, speculation=speculation)
+    if enable_lora or lora_modules:
+        adapters = AdapterSlots(engine, max_loras, max_lora_rank)
+        for module in lora_modules or []:
+            name, _, path = module.partition("=")
+            if not (name and path):
+                raise ConfigurationError(f"--lora-modules {module!r}: write each adapter as name=folder")
+            try:
+                adapters.load(name, path)
+            except InvalidRequestError as error:
+                raise ConfigurationError(f"--lora-modules {module}: {error}") from None
     if not is_first_rank():
         # (rank 0 decides when the job stops: it drains its requests, then tells the others)
         for sig in (signal.SIGINT, signal.SIGTERM):

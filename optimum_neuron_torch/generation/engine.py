@@ -425,7 +425,7 @@ class GenerationEngine:
         final = end == len(request.prompt)  # (only its token is taken: only it draws a random number)
         tokens, logits, scores = self.device.forward(
             [ids], [list(range(start, start + length))], end - 1 - start, context,
-            [request.next_uniform() if final else 0.0], [request.sampling.row(taken=final and request.choose is None)],
+            [request.next_uniform() if final else 0.0], [request.row(taken=final and request.choose is None)],
             request._slot, request.targets(start, length, self.pad_token_id))
         if scores:
             request.score(start, scores)
@@ -455,7 +455,7 @@ class GenerationEngine:
             [[request.tokens[-1] if request else self.pad_token_id] for request in rows],
             [[request.position if request else position] for request, position in zip(rows, idle, strict=True)],
             0, context, [request.next_uniform() if request else 0.0 for request in rows],
-            [request.sampling.row(taken=request.choose is None) if request else SamplingSettings().row(taken=False)
+            [request.row(taken=request.choose is None) if request else SamplingSettings().row(taken=False)
              for request in rows])
         self.steps += 1
         for row, (request, token) in enumerate(zip(rows, tokens.tolist(), strict=True)):

@@ -16,6 +16,7 @@ from .text import TextStream
 WARPERS = slice(0, len(SamplingParameters().row()))
 PENALTIES = slice(WARPERS.stop, WARPERS.stop + 3)  # repetition, presence, frequency
 TAKEN = PENALTIES.stop
+ADAPTER = TAKEN + 1  # the row's LoRA adapter's slot (0: none; see `lora_adapters`): the host's, not sent
 NO_PENALTIES = [1.0, 0.0, 0.0]  # the logits as they are
 # The most likely tokens a request may ask the log-probabilities of, with each token's (as the OpenAI
 # API's chat `top_logprobs`); the graphs that score a prompt compute that many at each position.
@@ -50,9 +51,9 @@ class SamplingSettings:
 
     def row(self, taken: bool = True) -> list[float]:
         """The row of the step's sampling tensor (see `slots.slot_step`; its columns: `WARPERS`,
-        `PENALTIES`, `TAKEN`)."""
+        `PENALTIES`, `TAKEN`, `ADAPTER`: none)."""
         warpers = SamplingParameters(self.temperature, self.top_k, self.top_p, 1, self.min_p).row()
-        return [*warpers, self.repetition_penalty, self.presence_penalty, self.frequency_penalty, float(taken)]
+        return [*warpers, self.repetition_penalty, self.presence_penalty, self.frequency_penalty, float(taken), 0.0]
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class Request:
             each prompt token given those before it (None for the first), with the `prompt_logprobs`
             most likely ones (at most `MAX_LOGPROBS`), computed by the engine's scoring graphs (see
             `buckets.engine_plan`). Default: none.
+        adapter (`int`): the slot of the LoRA adapter it runs with (`AdapterSlots.index`); 0: none.
     """
 
     prompt: list[int]
@@ -116,6 +118,7 @@ class Request:
     choose: Callable[[torch.Tensor, torch.Generator], int] | None = field(default=None, repr=False)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    adapter: int = 0
     cancelled: bool = False  # ended: done, failed, or its caller gone
     tokens: list[int] = field(default_factory=list)  # generated so far
     error: BaseException | None = field(default=None, repr=False)  # what failed it, if anything did
@@ -157,6 +160,12 @@ class Request:
             raise InvalidRequestError(f"max_tokens is {self.max_tokens}, but the prompt's {len(prompt)} tokens leave "
                                       f"room for {room} in this server's {max_length} positions (--max-length)",
                                       "max_tokens")
+
+    def row(self, taken: bool = True) -> list[float]:
+        """Its row of the step's sampling tensor: its `sampling`'s, and its `adapter`."""
+        row = self.sampling.row(taken)
+        row[ADAPTER] = float(self.adapter)
+        return row
 
     @property
     def prefilling(self) -> bool:

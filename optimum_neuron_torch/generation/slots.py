@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ from ..compiler.dynamo_backend import recording_cache_keys
 from .attention import packed_attention, takes_boolean_mask
 from .buckets import Buckets, PlannedGraph, engine_plan
 from .compiling import COMPILE_CONFIG, QUIET_WHILE_TRACED
-from .requests import MAX_LOGPROBS, NO_PENALTIES, PENALTIES, TAKEN, WARPERS, SamplingSettings
+from .requests import ADAPTER, MAX_LOGPROBS, NO_PENALTIES, PENALTIES, TAKEN, WARPERS, SamplingSettings
 from .sampling import penalize, sample
 from .split_model import StepBroadcast, embeddings_without_padding_index, tensor_parallel_mesh, whole_graphs_reason
 
@@ -237,9 +238,10 @@ def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor,
         positions (`torch.Tensor`): int64 `[rows, tokens]`, each token's position in its slot.
         last (`torch.Tensor`): int64 `[1]`, the token whose logits choose the next one (the prompt's
             last real token in a prefill; 0 in a decode step).
-        sampling (`torch.Tensor`): float32 `[rows, 9]`, each row's `SamplingSettings.row`: the
-            warpers' parameters (a temperature of 0 chooses the greedy token), the penalties, and
-            whether its token is taken (counted for the penalties).
+        sampling (`torch.Tensor`): float32 `[rows, 9]`, each row's `Request.row` but its adapter
+            (which the host hands the layers, see `lora_adapters`): the warpers' parameters (a
+            temperature of 0 chooses the greedy token), the penalties, and whether its token is
+            taken (counted for the penalties).
         uniform (`torch.Tensor`): float32 `[rows]`, the uniform numbers sampled rows draw with.
         sampled (`bool`): whether any row samples or has penalties; if not, the graph takes the argmax
             only (a graph of its own: sampling sorts the vocabulary of each row, a third of a decode
@@ -337,6 +339,8 @@ class SlotSteps:
         self.broadcast = broadcast
         self.graphs = len(engine_plan(buckets, scoring=True, prefix_caching=True))
         self.cache_keys: set[str] = set()  # the compile-cache entries of the graphs run (saved with the model)
+        self.adapters: Any = None  # the LoRA adapters attached (`lora_adapters.AdapterSlots`), if any
+        self.lock = threading.Lock()  # held by each step (what changes the adapters' weights waits for it)
 
     @property
     def model(self) -> PreTrainedModel:
@@ -375,7 +379,8 @@ class SlotSteps:
             ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         """One step on this rank. A prefill always runs the graph that can sample (one row: it costs
         little); a decode step, only if a row samples or has penalties."""
-        with self._inputs(ids, positions, last, context, uniform, sampling, slot, targets, verify) as inputs:
+        with self.lock, self._inputs(ids, positions, last, context, uniform, sampling, slot, targets,
+                                     verify) as inputs:
             tokens, logits, *scores = self.step(self.model, self.cache, *inputs)
             return tokens.cpu(), logits, tuple(score.cpu() for score in scores)
 
@@ -427,11 +432,15 @@ class SlotSteps:
         writes.slot = None if slot is None else torch.tensor([slot], device=device)
         writes.context = context
         sampled = slot is not None or any(row[0] > 0 or row[PENALTIES] != NO_PENALTIES for row in sampling)
+        if self.adapters is not None:  # (each row's adapter: the layers' hooks read it)
+            self.adapters.rows.set([int(row[ADAPTER]) for row in sampling], self.model.dtype, device)
         try:
             with packed_attention(self.model):
                 yield (torch.tensor(ids, device=device), positions_tensor, torch.tensor([last], device=device),
-                       torch.tensor(sampling, device=device),
+                       torch.tensor([row[:ADAPTER] for row in sampling], device=device),  # (the adapter: above)
                        torch.tensor(uniform, dtype=torch.float32, device=device), sampled,
                        None if targets is None else torch.tensor(targets, device=device), verify)
         finally:  # (between steps the device holds the cache only)
             writes.positions = writes.slot = None
+            if self.adapters is not None:
+                self.adapters.rows.set(None, self.model.dtype, device)

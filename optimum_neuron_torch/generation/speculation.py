@@ -257,7 +257,7 @@ class Speculation:
         ids = [request.tokens[-1], *drafts] + [engine.pad_token_id] * (k - len(drafts))
         tokens, logits, _ = engine.device.forward(
             [ids], [list(range(position, position + k + 1))], 0, engine.buckets.context_bucket_for(position + k + 1),
-            [0.0], [SamplingSettings().row(taken=False)], request._slot, verify=True)
+            [0.0], [request.row(taken=False)], request._slot, verify=True)
         greedy = tokens.tolist()
         taken = 0
         while taken < len(drafts) and drafts[taken] == greedy[taken]:

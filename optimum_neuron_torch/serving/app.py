@@ -2,7 +2,9 @@
 `EmbeddingEngine`.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (streamed as server-sent events
-ending with `data: [DONE]`, or whole) over a generation engine, `POST /v1/embeddings` over an
+ending with `data: [DONE]`, or whole) over a generation engine, with its LoRA adapters (named as
+`model`; `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`, as vLLM's, when the engine has
+`lora_adapters.AdapterSlots`), `POST /v1/embeddings` over an
 embedding engine (each answering 404 over the other), `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (503
 until every graph is compiled; then 200, counting the graphs not loaded yet), `GET /metrics`
 (Prometheus, see `metrics`). With an API key, every route but `/health` wants
@@ -37,12 +39,21 @@ from starlette.exceptions import HTTPException
 
 from ..errors import InvalidRequestError, ModelNotFoundError, ServerBusyError
 from ..generation.engine import GenerationEngine
+from ..generation.lora_adapters import AdapterSlots
 from ..generation.requests import Event, SamplingSettings
 from ..generation.requests import Request as EngineRequest
 from . import answers
 from .embedding_engine import EmbeddingEngine
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest, error_body, parse
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    LoadLoraAdapterRequest,
+    UnloadLoraAdapterRequest,
+    error_body,
+    parse,
+)
 from .structured_output import Grammars
 from .tool_calls import ToolChoice, parser_of_template, tool_choice
 
@@ -138,16 +149,25 @@ def build_app(engine: GenerationEngine | EmbeddingEngine, model_name: str, *, ap
     async def prometheus_metrics() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
-    served = Model(id=model_name, created=created, object="model", owned_by="optimum-neuron-torch")
+    adapters = _adapters(engine)
+
+    def listed() -> dict[str, dict[str, Any]]:  # (the model, and its adapters with their parent, as vLLM lists them)
+        served = Model(id=model_name, created=created, object="model", owned_by="optimum-neuron-torch")
+        names = dict(adapters.paths) if adapters is not None else {}
+        return {model_name: served.model_dump(mode="json"),
+                **{name: {**served.model_dump(mode="json"), "id": name, "root": path, "parent": model_name}
+                   for name, path in names.items()}}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [served.model_dump(mode="json")]}
+        return {"object": "list", "data": list(listed().values())}
 
     @app.get("/v1/models/{name:path}")  # (a path: model names hold slashes, as Hub ids do)
     async def model(name: str) -> dict[str, Any]:
-        _check_model(name, model_name)
-        return served.model_dump(mode="json")
+        known = listed()
+        if name not in known:
+            _check_model(name, model_name)
+        return known[name]
 
     if isinstance(engine, EmbeddingEngine):
         _embedding_routes(app, engine, model_name, max_body_bytes)
@@ -162,26 +182,52 @@ def _generation_routes(app: FastAPI, engine: GenerationEngine, model_name: str, 
     answers 404 saying what serves it."""
     grammars = Grammars(engine.tokenizer, engine.model.get_input_embeddings().num_embeddings, engine.eos_token_ids)
     parser = tool_parser or parser_of_template(getattr(engine.tokenizer, "chat_template", None))
+    adapters = _adapters(engine)
+
+    def adapter_of(name: str) -> str | None:
+        """The LoRA adapter a request naming `name` as its model runs with (None: the model itself)."""
+        if name == model_name or adapters is None or name not in adapters.names:
+            _check_model(name, model_name)
+            return None
+        return name
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Any:
         body = parse(await _read_body(request, max_body_bytes), ChatCompletionRequest)
-        _check_model(body.model, model_name)
+        adapter = adapter_of(body.model)
         tools = body.tools_given()
         choice = tool_choice(tools, body.tool_choice_given(), parser, body.parallel_tool_calls is not False)
         grammar = _chat_grammar(grammars, body, tools, choice)
         return await _respond(request, engine, metrics, grammars, body, [_chat_prompt(engine, body, tools)],
-                              chat=True, grammar=grammar, tools=choice)
+                              chat=True, grammar=grammar, tools=choice, adapter=adapter)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
         body = parse(await _read_body(request, max_body_bytes), CompletionRequest)
-        _check_model(body.model, model_name)
+        adapter = adapter_of(body.model)
         prompts, texts = _token_lists(body.prompt, engine, "prompt")
         echoes = [engine.tokenizer.decode(ids) if text is None else text
                   for ids, text in zip(prompts, texts, strict=True)] if body.echo else None
         return await _respond(request, engine, metrics, grammars, body, prompts, chat=False, echoes=echoes,
-                              grammar=grammars.grammar(body.response_format_given()))
+                              grammar=grammars.grammar(body.response_format_given()), adapter=adapter)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        body = parse(await _read_body(request, max_body_bytes), LoadLoraAdapterRequest)
+        if adapters is None:
+            raise InvalidRequestError("this server serves no LoRA adapters: start it with --enable-lora", "lora_name")
+        if body.lora_name == model_name:
+            raise InvalidRequestError(f"{model_name!r} is the served model's name", "lora_name")
+        await asyncio.to_thread(adapters.load, body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        body = parse(await _read_body(request, max_body_bytes), UnloadLoraAdapterRequest)
+        if adapters is None:
+            raise InvalidRequestError("this server serves no LoRA adapters: start it with --enable-lora", "lora_name")
+        adapters.unload(body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @app.post("/v1/embeddings")
     async def no_embeddings() -> None:
@@ -223,6 +269,11 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise HTTPException(413, f"the request body is above this server's {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _adapters(engine: GenerationEngine | EmbeddingEngine) -> AdapterSlots | None:
+    """The LoRA adapters the engine serves, if any."""
+    return getattr(getattr(engine, "device", None), "adapters", None)
 
 
 def _check_model(name: str, served: str) -> None:
@@ -309,9 +360,10 @@ def _sampling(engine: GenerationEngine, body: ChatCompletionRequest | Completion
 
 def _engine_requests(engine: GenerationEngine, grammars: Grammars, body: ChatCompletionRequest | CompletionRequest,
                      prompts: list[list[int]], on_event: Callable[[int], Callable[[Event], None]],
-                     grammar: str | None) -> list[EngineRequest]:
+                     grammar: str | None, adapter: str | None = None) -> list[EngineRequest]:
     """An engine request per choice (`n` per prompt; with a `seed`, choice `j` samples with `seed + j`);
-    held to a `grammar`, or with a `logit_bias`, each chooses its tokens on the host (`structured_output`).
+    held to a `grammar`, or with a `logit_bias`, each chooses its tokens on the host (`structured_output`);
+    each with the LoRA adapter named `adapter`, if any.
 
     Raises:
         InvalidRequestError: `n` beyond the slots, `echo` with `logprobs` on an engine that does not
@@ -340,21 +392,24 @@ def _engine_requests(engine: GenerationEngine, grammars: Grammars, body: ChatCom
         jobs.append(EngineRequest(prompt, body.max_new_tokens(), device, body.stop_strings(), on_event(index), eos,
                                   choose=choose,
                                   logprobs=body.logprobs_asked(), prompt_logprobs=scored))
+        if adapter is not None:
+            _adapters(engine).use(adapter, jobs[-1])
     return jobs
 
 
 async def _respond(request: Request, engine: GenerationEngine, metrics: ServerMetrics, grammars: Grammars,
                    body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], chat: bool,
-                   echoes: list[str] | None = None, grammar: str | None = None, tools: ToolChoice | None = None
-                   ) -> Any:
+                   echoes: list[str] | None = None, grammar: str | None = None, tools: ToolChoice | None = None,
+                   adapter: str | None = None) -> Any:
     """Submits a request per choice to the engine and answers: streamed, or whole once they finish
     (each completion after its prompt's text, `echoes`, if given; each chat answer held to `grammar`,
-    if given, its tool calls read as `tools` says)."""
+    if given, its tool calls read as `tools` says; each with the LoRA adapter named `adapter`, if any)."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
     n = body.n or 1
     jobs = _engine_requests(engine, grammars, body, prompts, lambda index: metrics.track(
-        0 if index % n else len(prompts[index // n]), functools.partial(_put, loop, queue, index)), grammar)
+        0 if index % n else len(prompts[index // n]), functools.partial(_put, loop, queue, index)), grammar,
+                            adapter)
     try:
         for index, job in enumerate(jobs):
             field = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt.{index // n}"

@@ -266,6 +266,20 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+class LoadLoraAdapterRequest(_Strict):
+    """The body of `POST /v1/load_lora_adapter` (vLLM's)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraAdapterRequest(_Strict):
+    """The body of `POST /v1/unload_lora_adapter` (vLLM's)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 class EmbeddingRequest(_Strict):
     model: str
     # One input (a text or token ids) or a batch of them, as the OpenAI API takes them.

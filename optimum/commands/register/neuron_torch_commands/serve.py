@@ -67,6 +67,16 @@ class ServeCommand(LibraryCommand):
                                  "\"prompt_lookup_max\": 3, \"prompt_lookup_min\": 2} (prompt lookup) or "
                                  "{\"method\": \"draft_model\", \"model\": FOLDER, \"num_speculative_tokens\": 4}; "
                                  "compiles a verify graph per context bucket (and the draft model's graphs).")
+        parser.add_argument("--enable-lora", action="store_true",
+                            help="Serve LoRA adapters (PEFT's), named by requests as their `model`, loaded at the "
+                                 "start (--lora-modules) or while serving (POST /v1/load_lora_adapter, "
+                                 "/v1/unload_lora_adapter): rows of different adapters share each step, and adding "
+                                 "one compiles nothing.")
+        parser.add_argument("--lora-modules", nargs="+", metavar="NAME=FOLDER",
+                            help="LoRA adapters to load at the start (implies --enable-lora).")
+        parser.add_argument("--max-loras", type=positive, default=4, help="LoRA adapters loaded at once (default 4).")
+        parser.add_argument("--max-lora-rank", type=positive, default=16,
+                            help="The largest rank of a LoRA adapter (default 16): the graphs' fixed shape.")
         parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json", "mistral"),
                             help="How the model writes tool calls, which answers to requests with `tools` are read "
                                  "for (default: the format its chat template names, if any).")
@@ -90,5 +100,7 @@ class ServeCommand(LibraryCommand):
               prompt_buckets=args.prompt_buckets, prefill_budget=args.prefill_budget, api_key=args.api_key,
               prompt_logprobs=args.prompt_logprobs, tool_call_parser=args.tool_call_parser, task=args.task,
               prefix_caching=args.enable_prefix_caching, speculative_config=args.speculative_config,
+              enable_lora=args.enable_lora, lora_modules=args.lora_modules, max_loras=args.max_loras,
+              max_lora_rank=args.max_lora_rank,
               tp_size=args.tp_size, dtype=args.dtype)
         return 0
