@@ -23,6 +23,10 @@ from optimum_neuron_torch.generation.requests import ADAPTER, Request, SamplingS
 from optimum_neuron_torch.serving.app import build_app
 from tiny_models import chat_tokenizer, noisy_llama
 
+# (graphs of their own, with the adapters' products: the fast tier serves an adapter through the command instead,
+# test_serving.py::test_the_command_serves_on_localhost_and_drains_on_sigterm)
+pytestmark = pytest.mark.slow
+
 BUCKETS = Buckets((1, 2, 4), (16,), 64, (64,))
 PROMPTS = [[5, 9, 3, 7, 1, 2], [4, 4, 8, 2], [7, 1, 9]]
 ADAPTERS = {  # name: (rank, alpha, target modules, rslora)

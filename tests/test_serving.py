@@ -595,22 +595,13 @@ def start_command(folder: Path, *arguments: str, env: dict[str, str] | None = No
     raise AssertionError(f"not ready in 600 s: {process.stdout.read()[-4000:]}")
 
 
-def test_the_command_serves_on_localhost_and_drains_on_sigterm(folder, cpu_model, tokenizer, tmp_path):
+def test_the_command_serves_on_localhost_and_drains_on_sigterm(folder, cpu_model, tokenizer):
     """`optimum-cli neuron-torch serve`: binds 127.0.0.1; on SIGTERM it takes no new request, finishes
     the one streaming, and exits 0. With `--speculative-config`, its one request at a time is speculated
-    (`/metrics` counts the drafts), and the answers are still Transformers' greedy ones; with `--lora-modules`,
-    a request naming the adapter gets PEFT's greedy answer on the CPU."""
-    adapter = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(folder),
-                                  peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
-    with torch.no_grad():
-        for name, parameter in adapter.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0.0, 0.3)
-    adapter.save_pretrained(tmp_path / "adapter")
+    (`/metrics` counts the drafts), and the answers are still Transformers' greedy ones."""
     # (one slot and one prompt bucket: 4 graphs to compile, the 2 that score prompts, a verify graph per context)
     process, url = start_command(folder, "--batch-size", "1", "--prompt-buckets", "16", "--prompt-logprobs",
                                  "--speculative-config", '{"num_speculative_tokens": 3, "prompt_lookup_min": 1}',
-                                 "--lora-modules", f"sql={tmp_path / 'adapter'}", "--max-lora-rank", "4",
                                  env={**os.environ, "OPTIMUM_NEURON_TORCH_API_KEY": "secret"})
     try:
         client = openai.OpenAI(base_url=url + "/v1", api_key="secret", max_retries=0)
@@ -628,12 +619,6 @@ def test_the_command_serves_on_localhost_and_drains_on_sigterm(folder, cpu_model
         [drafts] = [line.split()[1] for line in metrics.splitlines()
                     if line.startswith("optimum_neuron_torch:spec_decode_num_drafts ")]
         assert float(drafts) > 0
-        tuned_prompt = tokenizer(QUESTIONS[4]).input_ids
-        with torch.no_grad():
-            expected = adapter.eval().generate(torch.tensor([tuned_prompt]), max_new_tokens=12, do_sample=False)
-        tuned = client.completions.create(model="sql", prompt=QUESTIONS[4], max_tokens=12, temperature=0)
-        assert tuned.choices[0].text == tokenizer.decode(expected[0, len(tuned_prompt):], skip_special_tokens=True,
-                                                         clean_up_tokenization_spaces=False)
         stream = client.completions.create(model=str(folder), prompt=QUESTIONS[6], max_tokens=40, temperature=0,
                                            stream=True)
         text = [next(stream).choices[0].text]
@@ -649,6 +634,35 @@ def test_the_command_serves_on_localhost_and_drains_on_sigterm(folder, cpu_model
         process.wait()
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/health")
+
+
+@pytest.mark.slow
+def test_the_command_serves_lora_adapters_named_as_the_model(folder, cpu_model, tokenizer, tmp_path):
+    """`serve --lora-modules NAME=FOLDER`: `/v1/models` lists the adapter; a request naming it gets PEFT's greedy
+    answer on the CPU, one naming the model Transformers'."""
+    adapter = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(folder),
+                                  peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, parameter in adapter.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.3)
+    adapter.save_pretrained(tmp_path / "adapter")
+    process, url = start_command(folder, "--batch-size", "1", "--prompt-buckets", "16",
+                                 "--lora-modules", f"sql={tmp_path / 'adapter'}", "--max-lora-rank", "4")
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        assert [model.id for model in client.models.list()] == [str(folder), "sql"]
+        prompt = tokenizer(QUESTIONS[4]).input_ids
+        with torch.no_grad():
+            expected = adapter.eval().generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)
+        tuned = client.completions.create(model="sql", prompt=QUESTIONS[4], max_tokens=12, temperature=0)
+        assert tuned.choices[0].text == tokenizer.decode(expected[0, len(prompt):], skip_special_tokens=True,
+                                                         clean_up_tokenization_spaces=False)
+        base = client.completions.create(model=str(folder), prompt=QUESTIONS[4], max_tokens=12, temperature=0)
+        assert base.choices[0].text == greedy_answer(cpu_model, tokenizer, prompt, 12)[1] != tuned.choices[0].text
+    finally:
+        process.kill()
+        process.wait()
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from optimum_neuron_torch.generation.speculation import NgramDrafter, Speculatio
 from optimum_neuron_torch.serving.metrics import ServerMetrics
 from tiny_models import VOCAB, noisy_llama
 
-BUCKETS = Buckets((1, 2), (16, 48), 128, (64, 128))
+BUCKETS = Buckets((1, 2), (16, 48), 128, (128,))  # (one context bucket: 8 graphs, and a verify graph)
 REPEATING = [5, 6, 7, 8, 9] * 6  # (a prompt whose answer the tiny model makes repetitive too)
 
 
@@ -43,10 +43,11 @@ def test_a_speculative_config_names_the_field_it_refuses():
 
 
 def test_the_plan_has_a_verify_graph_of_k_plus_one_tokens_per_context_bucket():
-    verify = [(graph.batch, graph.tokens, graph.context) for graph in engine_plan(BUCKETS, speculative_tokens=4)
+    buckets = Buckets((1, 2), (16, 48), 128, (4, 64, 128))
+    verify = [(graph.batch, graph.tokens, graph.context) for graph in engine_plan(buckets, speculative_tokens=4)
               if graph.role == "verify"]
-    assert verify == [(1, 5, 64), (1, 5, 128)]
-    assert not [graph for graph in engine_plan(BUCKETS) if graph.role == "verify"]
+    assert verify == [(1, 5, 64), (1, 5, 128)]  # (not over 4 positions, which 5 tokens pass)
+    assert not [graph for graph in engine_plan(buckets) if graph.role == "verify"]
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +152,7 @@ def itself(models):
     engine.stop(60)
 
 
+@pytest.mark.slow  # (an engine with a draft model's graphs too)
 def test_a_draft_model_as_the_model_itself_has_every_draft_taken(models, itself, monkeypatch):
     """A draft model proposes its own greedy tokens: drafting with the served model itself, every one is taken;
     answers to prompts one after another are Transformers'; the draft's cache is prefilled once per prompt (a long
@@ -175,6 +177,7 @@ def test_a_draft_model_as_the_model_itself_has_every_draft_taken(models, itself,
     assert speculation.steps - steps == 3 * 6 and itself.steps == 0  # (29 tokens after the first, 5 a step)
 
 
+@pytest.mark.slow
 def test_speculation_keeps_to_the_budget_the_cache_and_the_logprobs(models, itself):
     """No token is drafted past a request's last (1, 2, 3 new tokens: 0, 0, 1 drafted); one ending at the cache's
     last position finishes by decode steps where a verify step's k + 1 positions do not fit; log-probabilities

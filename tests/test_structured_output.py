@@ -71,6 +71,24 @@ def grammar_greedy(cpu_model, tokenizer, prompt: list[int], grammar: str, repeti
     return ids[0, len(prompt):].tolist()
 
 
+def test_a_schema_is_compiled_once_and_a_refused_one_each_time_naming_its_field(monkeypatch):
+    import llguidance
+
+    compiled, compile_schema = [], llguidance.LLMatcher.grammar_from_json_schema
+    monkeypatch.setattr(llguidance.LLMatcher, "grammar_from_json_schema",
+                        lambda schema, **options: (compiled.append(schema), compile_schema(schema, **options))[1])
+    grammars = Grammars(TOKENIZER, len(TOKENIZER), {TOKENIZER.eos_token_id})  # (checked without the tokenizer)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    first = grammars.schema(schema, "tools.0.function.parameters", for_answers=False)
+    assert grammars.schema(dict(reversed(schema.items())), "tools.1", for_answers=False) == first
+    assert len(compiled) == 1
+    for field in ("response_format", "tools.1.function.parameters"):
+        with pytest.raises(InvalidRequestError) as caught:
+            grammars.schema({"type": "integer", "minimum": "x"}, field, for_answers=False)
+        assert caught.value.param == field
+    assert len(compiled) == 3
+
+
 def test_a_grammar_sampler_penalizes_the_prompt_and_what_it_chose_as_the_step_does():
     """The host's choice for a grammar: the logit bias, then Transformers' repetition penalty over the prompt and the
     answer, the OpenAI API's presence and frequency penalties over the answer (counted as it goes), the tokens the

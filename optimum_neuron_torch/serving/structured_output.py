@@ -27,6 +27,7 @@ from ..generation.sampling import penalize, sample
 # JSON as compact as `json.dumps(..., separators=(",", ":"))` writes it, strings and numbers in any form the schema
 # allows: what the compiler of the grammar does by default (a small model given free whitespace may run on in it).
 JSON_OPTIONS = {"whitespace_flexible": False}
+MAX_CACHED_SCHEMAS = 256  # the compiled schemas kept (a client sends the same tools with each request)
 
 
 class Grammars:
@@ -43,6 +44,7 @@ class Grammars:
     def __init__(self, tokenizer: Any, vocab: int, eos_token_ids: Sequence[int]) -> None:
         self.tokenizer, self.vocab, self.eos_token_ids = tokenizer, vocab, sorted(eos_token_ids)
         self._llguidance_tokenizer = None
+        self._schemas: dict[tuple[str, bool], str] = {}  # (the latest `MAX_CACHED_SCHEMAS`, compiled once each)
 
     def grammar(self, response_format: dict[str, Any] | None, field: str = "response_format") -> str | None:
         """The grammar a `response_format` (as the OpenAI API gives it) holds answers to, or None
@@ -71,6 +73,9 @@ class Grammars:
                 tokenizer llguidance cannot read (names `field`).
             MissingDependencyError: llguidance is not installed.
         """
+        key = (json.dumps(schema, sort_keys=True), for_answers)
+        if key in self._schemas:
+            return self._schemas[key]
         matcher = _llguidance().LLMatcher
         refused = f"{field}: not a JSON schema the grammar compiler takes"
         try:
@@ -88,6 +93,9 @@ class Grammars:
         failed, messages = matcher.validate_grammar_with_warnings(grammar, tokenizer)
         if failed:
             raise InvalidRequestError(f"{refused}: {messages[0]}", field)
+        if len(self._schemas) >= MAX_CACHED_SCHEMAS:
+            self._schemas.pop(next(iter(self._schemas)))  # (the oldest)
+        self._schemas[key] = grammar
         return grammar
 
     def sampler(self, grammar: str | None, sampling: SamplingSettings, prompt: list[int],
@@ -128,7 +136,8 @@ class GrammarSampler:
         self.bias = torch.zeros(vocab)
         if bias:
             self.bias[list(bias)] = torch.tensor(list(bias.values()))
-        self.bitmask = None if matcher is None else _llguidance().torch.allocate_token_bitmask(1, vocab)
+        self.guidance = None if matcher is None else _llguidance().torch
+        self.bitmask = None if matcher is None else self.guidance.allocate_token_bitmask(1, vocab)
 
     def __call__(self, logits: torch.Tensor, generator: torch.Generator) -> int:
         """The next token; the matcher takes it.
@@ -138,9 +147,8 @@ class GrammarSampler:
         """
         scores = penalize((logits + self.bias)[None], self.penalties, self.seen, self.counts)
         if self.matcher is not None:
-            guidance = _llguidance().torch
-            guidance.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
-            guidance.apply_token_bitmask_inplace(scores, self.bitmask)
+            self.guidance.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
+            self.guidance.apply_token_bitmask_inplace(scores, self.bitmask)
         if self.greedy:
             token = int(scores.argmax(-1))
         else:
