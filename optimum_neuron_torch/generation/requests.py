@@ -106,7 +106,7 @@ class Request:
             each prompt token given those before it (None for the first), with the `prompt_logprobs`
             most likely ones (at most `MAX_LOGPROBS`), computed by the engine's scoring graphs (see
             `buckets.engine_plan`). Default: none.
-        adapter (`int`): the slot of the LoRA adapter it runs with (`AdapterSlots.index`); 0: none.
+        adapter (`int`): the slot of the LoRA adapter it runs with (set by `AdapterSlots.use`); 0: none.
     """
 
     prompt: list[int]

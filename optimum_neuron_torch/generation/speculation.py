@@ -128,7 +128,7 @@ class NgramDrafter:
         return []
 
     def warm_up(self) -> None:
-        pass
+        """Nothing: prompt lookup has no graph."""
 
 
 class ModelDrafter:
