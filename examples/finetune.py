@@ -84,7 +84,9 @@ def main() -> None:
 
     model.save_pretrained(output_dir / "adapter")
     base = NeuronAutoModelForCausalLM.from_pretrained(model_path)
-    reloaded = PeftModel.from_pretrained(base, output_dir / "adapter")
+    # (read on the host, then copied into the model's layers on neuron: PEFT >= 0.22 would ask safetensors for the
+    # accelerator's device, `neuron`, which safetensors does not know)
+    reloaded = PeftModel.from_pretrained(base, output_dir / "adapter", torch_device="cpu")
     with_adapter = answer(reloaded, tokenizer, QUESTION)
     merged = answer(reloaded.merge_and_unload(), tokenizer, QUESTION)
     assert merged == with_adapter, (merged, with_adapter)

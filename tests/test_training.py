@@ -306,7 +306,8 @@ def test_lora_trains_saves_reloads_and_merges_on_neuron(folder, tmp_path):
     assert any(name.endswith("lora_B.default.weight") and value.abs().sum() > 0 for name, value in trained.items())
     model.save_pretrained(tmp_path / "adapter")
 
-    reloaded = PeftModel.from_pretrained(ont.NeuronAutoModelForCausalLM.from_pretrained(folder), tmp_path / "adapter")
+    reloaded = PeftModel.from_pretrained(ont.NeuronAutoModelForCausalLM.from_pretrained(folder), tmp_path / "adapter",
+                                         torch_device="cpu")  # (read on the host: safetensors knows no `neuron`)
     for name, p in reloaded.named_parameters():
         if "lora_" in name:
             assert p.device.type == "neuron"
@@ -317,7 +318,8 @@ def test_lora_trains_saves_reloads_and_merges_on_neuron(folder, tmp_path):
     assert not any("lora_" in name for name, _ in merged.named_parameters())
     from_merged = merged.generate(input_ids=prompt.to("neuron"), max_new_tokens=8, do_sample=False).cpu()
     assert from_merged.tolist() == with_adapter.tolist()
-    on_cpu = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), tmp_path / "adapter")
+    on_cpu = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), tmp_path / "adapter",
+                                       torch_device="cpu")
     assert on_cpu.generate(input_ids=prompt, max_new_tokens=8, do_sample=False).tolist() == with_adapter.tolist()
     with torch.no_grad():  # the adapter changed the model
         base = AutoModelForCausalLM.from_pretrained(folder)
