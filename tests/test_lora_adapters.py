@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import peft
 import pytest
@@ -21,6 +20,7 @@ from optimum_neuron_torch.generation.engine import GenerationEngine
 from optimum_neuron_torch.generation.lora_adapters import AdapterSlots
 from optimum_neuron_torch.generation.requests import ADAPTER, Request, SamplingSettings
 from optimum_neuron_torch.serving.app import build_app
+from testing_utils import wait_loaded
 from tiny_models import chat_tokenizer, noisy_llama
 
 # (graphs of their own, with the adapters' products: the fast tier serves an adapter through the command instead,
@@ -66,10 +66,7 @@ def served(tmp_path_factory):
     engine = GenerationEngine(model, BUCKETS, chat_tokenizer())
     adapters = AdapterSlots(engine, max_loras=2, max_rank=8)
     engine.start(show_progress=False)
-    engine.wait_ready(timeout=900)
-    deadline = time.monotonic() + 300
-    while engine.graphs_unloaded and time.monotonic() < deadline:  # (graphs a compile cache held load when idle)
-        time.sleep(0.05)
+    wait_loaded(engine, timeout=900)
     yield engine, adapters, base, peft_models, folder
     engine.stop(60)
     adapters.detach()

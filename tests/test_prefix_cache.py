@@ -18,6 +18,7 @@ from optimum_neuron_torch.generation.prefix_cache import BLOCK, PrefixCache
 from optimum_neuron_torch.generation.requests import Request, SamplingSettings
 from optimum_neuron_torch.generation.slots import dummy_step
 from optimum_neuron_torch.serving.metrics import ServerMetrics
+from testing_utils import wait_loaded
 from tiny_models import VOCAB, noisy_llama
 
 
@@ -64,10 +65,7 @@ def cached(tmp_path_factory):
     model = ont.NeuronAutoModelForCausalLM.from_pretrained(folder)
     engine = GenerationEngine(model, Buckets((1, 2), (16, 48), 128, (64, 128)), prefix_caching=True)
     engine.start(show_progress=False)
-    engine.wait_ready(timeout=600)
-    deadline = time.monotonic() + 300
-    while engine.graphs_unloaded and time.monotonic() < deadline:  # (graphs a compile cache held load when idle)
-        time.sleep(0.05)
+    wait_loaded(engine, timeout=600)
     yield engine, cpu_model
     engine.stop(60)
 

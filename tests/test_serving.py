@@ -29,7 +29,7 @@ from optimum_neuron_torch.generation.requests import Event, SamplingSettings
 from optimum_neuron_torch.generation.requests import Request as EngineRequest
 from optimum_neuron_torch.generation.text import TextStream
 from optimum_neuron_torch.serving.app import build_app
-from testing_utils import free_port, launcher_environment
+from testing_utils import free_port, launcher_environment, wait_loaded
 from tiny_models import TENSOR_PARALLEL_MODELS, chat_tokenizer, greedy_answer, noisy_llama
 
 NAME = "tiny-llama"
@@ -73,7 +73,7 @@ def server(folder, tokenizer):
     thread = threading.Thread(target=uvicorn_server.run, daemon=True)
     thread.start()
     engine.start()
-    engine.wait_ready(timeout=600)
+    wait_loaded(engine, timeout=600)  # (the memory tests below see no graph load under them)
     assert engine.device.step.whole_graph_reason is None  # (its steps compiled a layer at a time)
     yield engine, f"http://127.0.0.1:{port}"
     uvicorn_server.should_exit = True

@@ -4,7 +4,6 @@ graph checks them; the answers are Transformers' greedy ones on the CPU, whateve
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from optimum_neuron_torch.generation.engine import GenerationEngine
 from optimum_neuron_torch.generation.requests import Request, SamplingSettings
 from optimum_neuron_torch.generation.speculation import NgramDrafter, Speculation, SpeculativeConfig
 from optimum_neuron_torch.serving.metrics import ServerMetrics
+from testing_utils import wait_loaded
 from tiny_models import VOCAB, noisy_llama
 
 BUCKETS = Buckets((1, 2), (16, 48), 128, (128,))  # (one context bucket: 8 graphs, and a verify graph)
@@ -66,10 +66,7 @@ def models(tmp_path_factory):
 def serving(model, speculation: Speculation) -> GenerationEngine:
     engine = GenerationEngine(model, BUCKETS, speculation=speculation)
     engine.start(show_progress=False)
-    engine.wait_ready(timeout=900)
-    deadline = time.monotonic() + 300
-    while engine.graphs_unloaded and time.monotonic() < deadline:  # (graphs a compile cache held load when idle)
-        time.sleep(0.05)
+    wait_loaded(engine, timeout=900)
     return engine
 
 

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +37,17 @@ def assert_same(device_value: torch.Tensor, cpu_value: torch.Tensor, **tolerance
 
 # Jobs of several processes (tests/test_distributed.py, tests/test_tensor_parallel.py). Each rank of a test
 # program writes `OUT/rank<r>.json`: the checks it made, each {"program", "name", "ok", "error", ...}.
+def wait_loaded(engine, timeout: float = 900) -> None:
+    """Waits until a started generation engine serves with every graph loaded: graphs its compile
+    cache held load in its idle turns, each holding device memory from then on (what a test of the
+    memory or of the steps taken must not see change under it)."""
+    engine.wait_ready(timeout=timeout)
+    deadline = time.monotonic() + 300
+    while engine.graphs_unloaded and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.graphs_unloaded
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

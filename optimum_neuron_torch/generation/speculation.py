@@ -235,11 +235,6 @@ class Speculation:
         verify = engine_plan(buckets, sampling=False, speculative_tokens=self.tokens)
         return sum(graph.role == "verify" for graph in verify) + self.drafter.graphs
 
-    @property
-    def acceptance_rate(self) -> float:
-        """The share of drafted tokens taken."""
-        return self.accepted / self.drafted if self.drafted else 0.0
-
     def step(self, engine: GenerationEngine, rows: list[Request | None]) -> bool:
         """Runs a verify step instead of the decode step of `rows`, and gives its request the tokens it
         takes, if one request decodes alone and may speculate, and a draft is found: whether it ran."""
@@ -251,7 +246,7 @@ class Speculation:
         room = min(k, request.max_tokens - len(request.tokens) - 1)  # (tokens past its last are never taken)
         if room < 1 or position + k >= engine.buckets.max_length:
             return False
-        drafts = self.drafter.propose(request.prompt + request.tokens, room)[:room]
+        drafts = self.drafter.propose(request.prompt + request.tokens, room)
         if not drafts:
             return False
         ids = [request.tokens[-1], *drafts] + [engine.pad_token_id] * (k - len(drafts))
