@@ -12,6 +12,7 @@ from hypothesis import settings
 import optimum_neuron_torch  # noqa: F401  (activates the neuron device)
 from optimum_neuron_torch.device import reference
 from optimum_neuron_torch.settings import parse_flag
+from testing_utils import clear_counts
 
 # Property-based tests draw the same examples in every run, CI's included (`ci`, the default); a longer,
 # random search: HYPOTHESIS_PROFILE=long python -m pytest tests/test_checkpoint_errors.py -k mutated
@@ -79,3 +80,9 @@ def profile():
     yield reference.set_profile
     reference.set_profile(previous)
 
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo without the graphs of earlier tests, and the counts of `testing_utils.graphs()` at zero."""
+    torch._dynamo.reset()
+    clear_counts()

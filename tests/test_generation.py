@@ -29,7 +29,6 @@ from transformers import (
 from transformers.generation.streamers import BaseStreamer
 
 from optimum_neuron_torch import NeuronAutoModelForCausalLM
-from optimum_neuron_torch.compiler import cache_stats, reset_cache_stats
 from optimum_neuron_torch.device import reference
 from optimum_neuron_torch.generation import (
     Buckets,
@@ -38,6 +37,7 @@ from optimum_neuron_torch.generation import (
     enable_compiled_generation,
 )
 from optimum_neuron_torch.patches import apply_patches
+from testing_utils import clear_counts, graphs, recompiles
 from tiny_models import PROGRAMS_PER_GRAPH, TINY_MODELS, VOCAB
 
 BUCKETS = Buckets(batch_sizes=(1, 4), prompt_buckets=(8, 16), max_length=64)
@@ -57,28 +57,6 @@ def compiled(name: str, buckets: Buckets = BUCKETS, **config_changes):
 
 def prompt(length: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     return torch.randint(4, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def graphs() -> int:
-    """The compiled functions this process got: traced by Dynamo, or restored from the compile cache
-    without tracing (a warm start, see `compiler.precompiled`)."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"] + cache_stats().restored
-
-
-def clear_counts() -> None:
-    """Sets the counts `graphs()` and `recompiles()` read back to zero."""
-    torch._dynamo.utils.counters.clear()
-    reset_cache_stats()
-
-
-def recompiles() -> int:
-    return sum(torch._dynamo.utils.counters["recompiles"].values())
-
-
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    clear_counts()
 
 
 @pytest.fixture(scope="module")

@@ -92,6 +92,9 @@ def test_auto_classes_subclass_transformers():
         ("NeuronAutoModelForSequenceClassification", "AutoModelForSequenceClassification"),
         ("NeuronAutoModelForTokenClassification", "AutoModelForTokenClassification"),
         ("NeuronAutoModelForQuestionAnswering", "AutoModelForQuestionAnswering"),
+        *((f"NeuronAutoModelFor{head}", f"AutoModelFor{head}") for head in (
+            "SpeechSeq2Seq", "CTC", "AudioClassification", "TextToWaveform", "TextToSpectrogram",
+            "ImageClassification", "ImageTextToText")),
     ]:
         assert issubclass(getattr(ont, neuron_name), getattr(transformers, auto_name))
 

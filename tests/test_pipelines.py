@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import transformers
 import optimum_neuron_torch as ont
 from optimum_neuron_torch.generation.mixin import NeuronGenerationMixin
 from optimum_neuron_torch.pipelines import QuestionAnsweringPipeline, Text2TextGenerationPipeline
+from testing_utils import assert_same_output
 from tiny_models import TINY_MODELS
 
 GREEDY = dict(max_new_tokens=8, do_sample=False)
@@ -34,22 +34,6 @@ def checkpoint(tmp_path_factory):
         return folders[name]
 
     return folder
-
-
-def assert_same_output(device_output: Any, cpu_output: Any) -> None:
-    """Equal structure, strings and labels; numbers equal within a float32 tolerance."""
-    if isinstance(cpu_output, dict):
-        assert device_output.keys() == cpu_output.keys()
-        for key in cpu_output:
-            assert_same_output(device_output[key], cpu_output[key])
-    elif isinstance(cpu_output, list):
-        assert len(device_output) == len(cpu_output)
-        for device_item, cpu_item in zip(device_output, cpu_output, strict=True):
-            assert_same_output(device_item, cpu_item)
-    elif isinstance(cpu_output, float):
-        assert device_output == pytest.approx(cpu_output, rel=1e-4, abs=1e-6)
-    else:
-        assert device_output == cpu_output
 
 
 def cpu_pipeline(task: str, folder: Path) -> transformers.Pipeline:

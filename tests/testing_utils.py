@@ -10,8 +10,13 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
+import numpy
+import pytest
 import torch
+
+from optimum_neuron_torch.compiler import cache_stats, reset_cache_stats
 
 
 def run_python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -37,6 +42,40 @@ def assert_same(device_value: torch.Tensor, cpu_value: torch.Tensor, **tolerance
 
 # Jobs of several processes (tests/test_distributed.py, tests/test_tensor_parallel.py). Each rank of a test
 # program writes `OUT/rank<r>.json`: the checks it made, each {"program", "name", "ok", "error", ...}.
+def graphs() -> int:
+    """The compiled functions this process got: traced by Dynamo, or restored from the compile cache
+    without tracing (a warm start, see `compiler.precompiled`)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"] + cache_stats().restored
+
+
+def clear_counts() -> None:
+    """Sets the counts `graphs()` and `recompiles()` read back to zero."""
+    torch._dynamo.utils.counters.clear()
+    reset_cache_stats()
+
+
+def recompiles() -> int:
+    return sum(torch._dynamo.utils.counters["recompiles"].values())
+
+
+def assert_same_output(device_output: Any, cpu_output: Any) -> None:
+    """Equal structure, strings and labels; numbers equal within a float32 tolerance."""
+    if isinstance(cpu_output, dict):
+        assert device_output.keys() == cpu_output.keys()
+        for key in cpu_output:
+            assert_same_output(device_output[key], cpu_output[key])
+    elif isinstance(cpu_output, list):
+        assert len(device_output) == len(cpu_output)
+        for device_item, cpu_item in zip(device_output, cpu_output, strict=True):
+            assert_same_output(device_item, cpu_item)
+    elif isinstance(cpu_output, float):
+        assert device_output == pytest.approx(cpu_output, rel=1e-4, abs=1e-6)
+    elif isinstance(cpu_output, numpy.ndarray):  # (a waveform)
+        numpy.testing.assert_allclose(device_output, cpu_output, rtol=1e-4, atol=1e-5)
+    else:
+        assert device_output == cpu_output
+
+
 def wait_loaded(engine, timeout: float = 900) -> None:
     """Waits until a started generation engine serves with every graph loaded: graphs its compile
     cache held load in its idle turns, each holding device memory from then on (what a test of the

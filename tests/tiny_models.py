@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
@@ -193,6 +195,117 @@ def noisy_llama(**config) -> transformers.LlamaForCausalLM:
             tensor.add_(0.1 * torch.randn_like(tensor))
     model.generation_config.eos_token_id = None
     return model
+
+
+# A tiny Whisper: ids below 60 are text (bytes 32-91), then end of text (60), start of transcript (61),
+# transcribe (62), no timestamps (63) and the 1501 timestamps (64-1564) its long-form generation needs.
+WHISPER = dict(vocab_size=1565, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+               decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=80,
+               max_source_positions=1500, max_target_positions=64, bos_token_id=60, eos_token_id=60, pad_token_id=60,
+               decoder_start_token_id=61, suppress_tokens=[], begin_suppress_tokens=[60])
+
+
+def tiny_whisper() -> transformers.WhisperForConditionalGeneration:
+    """A tiny Whisper (WHISPER) whose random weights carry noise strong enough (std 0.5) that its
+    greedy transcripts vary from token to token; the same weights in every run (seed 0)."""
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(**WHISPER)).eval()
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.add_(0.5 * torch.randn_like(tensor))
+    config = model.generation_config
+    config.no_timestamps_token_id, config.max_initial_timestamp_index, config.forced_decoder_ids = 63, 50, None
+    config._from_model_config = False  # (else a saved checkpoint's generation config is made again from its config)
+    return model
+
+
+def whisper_tokenizer() -> transformers.WhisperTokenizer:
+    """The tokenizer of `tiny_whisper`'s ids (byte-level: "Ġ" is the space)."""
+    vocab = {("\u0120" if byte == 32 else chr(byte)): index for index, byte in enumerate(range(32, 92))}
+    specials = ["<|endoftext|>", "<|startoftranscript|>", "<|transcribe|>", "<|notimestamps|>"]
+    for token in specials + [f"<|{index * 0.02:.2f}|>" for index in range(1501)]:
+        vocab[token] = len(vocab)
+    return transformers.WhisperTokenizer(vocab=vocab, merges=[], pad_token=specials[0],
+                                         additional_special_tokens=specials[1:])
+
+
+W2V = dict(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+           conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 8), num_conv_pos_embeddings=16,
+           num_conv_pos_embedding_groups=4, classifier_proj_size=16, pad_token_id=0)
+
+
+def save_audio_and_image_checkpoint(name: str, folder: Path) -> Path:
+    """A tiny checkpoint with the preprocessing its pipeline loads, in `folder`: "whisper" (speech
+    recognition: `tiny_whisper` and a `WhisperProcessor`), "wav2vec2_ctc" (speech recognition,
+    CTC), "wav2vec2_audio" (audio classification), "vit" (image classification), "vits" (text
+    to speech, without phonemizer) or "llava" (image-text-to-text: a CLIP vision tower, a Llama
+    and a processor with a chat template of text and image parts)."""
+    torch.manual_seed(0)
+    if name == "whisper":
+        model = tiny_whisper()
+        parts = [transformers.WhisperFeatureExtractor(), whisper_tokenizer()]
+    elif name == "wav2vec2_ctc":
+        characters = ["<pad>", "<s>", "</s>", "<unk>", "|", *"abcdefghijklmnopqrstuvwxyz'"]
+        (folder / "vocab.json").write_text(json.dumps({c: i for i, c in enumerate(characters)}))
+        model = transformers.Wav2Vec2ForCTC(transformers.Wav2Vec2Config(**W2V))
+        parts = [transformers.Wav2Vec2FeatureExtractor(), transformers.Wav2Vec2CTCTokenizer(folder / "vocab.json")]
+    elif name == "wav2vec2_audio":
+        labels = {0: "yes", 1: "no", 2: "up"}
+        model = transformers.Wav2Vec2ForSequenceClassification(transformers.Wav2Vec2Config(**W2V, id2label=labels))
+        parts = [transformers.Wav2Vec2FeatureExtractor()]
+    elif name == "vit":
+        labels = {index: f"class {index}" for index in range(5)}
+        model = transformers.ViTForImageClassification(transformers.ViTConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32,
+            patch_size=8, id2label=labels))
+        parts = [transformers.ViTImageProcessor(size={"height": 32, "width": 32})]
+    elif name == "vits":
+        characters = ["k", "_", *"abcdefghijklmnopqrstuvwxyz ", "<unk>"]
+        (folder / "vocab.json").write_text(json.dumps({c: i for i, c in enumerate(characters)}))
+        model = transformers.VitsModel(transformers.VitsConfig(
+            vocab_size=len(characters), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ffn_dim=64,
+            flow_size=16, spectrogram_bins=33, upsample_initial_channel=32, upsample_rates=[4, 4],
+            upsample_kernel_sizes=[8, 8], resblock_kernel_sizes=[3], resblock_dilation_sizes=[[1, 3]],
+            prior_encoder_num_flows=2, prior_encoder_num_wavenet_layers=1, duration_predictor_num_flows=2,
+            duration_predictor_filter_channels=32, posterior_encoder_num_wavenet_layers=1, noise_scale=0.0,
+            noise_scale_duration=0.0, sampling_rate=16000))
+        parts = [transformers.VitsTokenizer(folder / "vocab.json", phonemize=False)]
+    elif name == "llava":
+        tokenizer = tiny_tokenizer("llama")
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+        tokenizer.chat_template = (
+            "{% for message in messages %}{{ message['role'] }} {% for part in message['content'] %}"
+            "{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %} {% endfor %}"
+            "{% endfor %}{% if add_generation_prompt %}assistant{% endif %}")
+        vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=4, image_size=32, patch_size=8)
+        model = transformers.LlavaForConditionalGeneration(transformers.LlavaConfig(
+            vision_config=vision, text_config=transformers.LlamaConfig(**{**DECODER, "vocab_size": len(tokenizer)}),
+            image_token_index=tokenizer.convert_tokens_to_ids("<image>")))
+        with torch.no_grad():  # (noise strong enough that its greedy answers vary)
+            for tensor in model.state_dict().values():
+                tensor.add_(0.3 * torch.randn_like(tensor))
+        model.generation_config.eos_token_id = None
+        parts = [transformers.LlavaProcessor(
+            image_processor=transformers.CLIPImageProcessor(size={"shortest_edge": 32},
+                                                            crop_size={"height": 32, "width": 32}),
+            tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1,
+            chat_template=tokenizer.chat_template)]
+    else:
+        raise ValueError(f"no tiny audio or image checkpoint {name!r}")
+    model.eval().save_pretrained(folder)
+    for part in parts:
+        part.save_pretrained(folder)
+    return folder
+
+
+def tones(seconds: float, seed: int = 0, rate: int = 16000) -> numpy.ndarray:
+    """`seconds` of audio at `rate` Hz: a tone whose pitch depends on `seed`, with some noise."""
+    random = numpy.random.RandomState(seed)
+    samples = numpy.arange(int(rate * seconds))
+    return (0.5 * numpy.sin(samples * (0.01 + 0.05 * random.rand())) + 0.05 * random.randn(len(samples))
+            ).astype(numpy.float32)
 
 
 def greedy_answer(cpu_model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, prompt: list[int],

@@ -19,7 +19,8 @@ SMALLEST_PROMPT_BUCKET = 16
 # decode graph per batch size; a step attends over (and reads) its bucket's keys and values only.
 SMALLEST_CONTEXT_BUCKET = 128
 # The names configs give their context length (the longest sequence their positions cover), most common first.
-CONTEXT_LENGTH_NAMES = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx")
+CONTEXT_LENGTH_NAMES = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "n_ctx",
+                        "max_target_positions")
 
 
 @dataclass(frozen=True)
@@ -141,14 +142,15 @@ class PlannedGraph:
 
 
 def graph_plan(buckets: Buckets, *, encoder_decoder: bool = False, sampling: bool = False,
-               chunks: bool = True) -> list[PlannedGraph]:
+               chunks: bool = True, encoder_lengths: tuple[int, ...] | None = None) -> list[PlannedGraph]:
     """Every graph `precompile()` compiles for `buckets`, which are all the graphs generation meets
     (the compile bill, before anything compiles). Per batch bucket: a prefill per prompt bucket
     (over the context bucket that holds it), a decode step per context bucket, with several context
     buckets a chunk of a prompt longer than the largest prompt bucket in each context bucket such a
     prompt can meet (not for `chunks=False`: caches of state-space layers, prefilled whole), and
-    with `sampling` a decode step that samples per context bucket. Encoder-decoders: per batch and
-    prompt bucket, an encoder and a decode step over its cross-attention.
+    with `sampling` a decode step that samples per context bucket. Encoder-decoders: per batch
+    bucket and encoder length (`encoder_lengths`, default the prompt buckets; a speech model's
+    one window), an encoder and a decode step over its cross-attention.
 
     Example:
         >>> len(graph_plan(Buckets((1, 4), (8, 16), 64)))  # per batch bucket: 2 prefills and a decode step
@@ -157,7 +159,7 @@ def graph_plan(buckets: Buckets, *, encoder_decoder: bool = False, sampling: boo
     plan = []
     for batch in buckets.batch_sizes:
         if encoder_decoder:
-            for length in buckets.prompt_buckets:
+            for length in encoder_lengths or buckets.prompt_buckets:
                 plan += [PlannedGraph("encoder", batch, length, 0), PlannedGraph("decode", batch, 1, length)]
             continue
         windows = len(buckets.context_buckets) > 1

@@ -20,6 +20,7 @@ from .interval_masks import compact
 from .native_ops import native_generation_ops
 from .neuron_generation import NeuronGeneration
 from .saving import restore, save
+from .speech_graphs import SpeechGraphs
 from .split_model import tensor_parallel_mesh
 
 
@@ -107,6 +108,24 @@ class NeuronGenerationMixin:
         if self.neuron_generation.static.active:
             return self.neuron_generation.static.choose_tokens(processors, generation_config)
         return processors
+
+    def get_encoder(self, *args: Any, **kwargs: Any) -> Any:
+        """Transformers' (or the model's own); while a speech model's generate() runs compiled, the
+        encoder it returns runs compiled (see `speech_graphs`)."""
+        encoder = super().get_encoder(*args, **kwargs)
+        generation = self.neuron_generation.static
+        return generation.compiled_encoder(encoder) if generation.active and isinstance(generation, SpeechGraphs) \
+            else encoder
+
+    def _prepare_static_cache(self, cache_implementation: str, batch_size: int, max_cache_len: int,
+                              *args: Any, **kwargs: Any) -> Any:
+        """Transformers' (which a speech model's generate() asks for, see `speech_graphs`); while it
+        runs compiled, the static cache of the call's batch bucket, of the buckets' length."""
+        generation = self.neuron_generation.static
+        if not (generation.active and isinstance(generation, SpeechGraphs)):
+            return super()._prepare_static_cache(cache_implementation, batch_size, max_cache_len, *args, **kwargs)
+        model_kwargs = kwargs.get("model_kwargs", args[-1] if args else {})
+        return generation.cache_for(batch_size, model_kwargs["encoder_outputs"][0].shape[1], max_cache_len)
 
     def get_compiled_call(self, compile_config: CompileConfig | None) -> Callable[..., Any]:
         if self.neuron_generation.static.active:

@@ -31,9 +31,10 @@ from . import engine_calls
 from .buckets import Buckets, PlannedGraph, compile_bill, engine_plan
 from .engine import GenerationEngine
 from .slots import unsupported_by_slots
+from .speech_graphs import SpeechGraphs
 from .split_model import share_random_state, tensor_parallel_mesh, whole_graphs_reason
 from .static_graphs import StaticGraphs
-from .static_plans import why_not_compiled
+from .static_plans import speech_window, why_not_compiled
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class NeuronGeneration:
 
     def __init__(self, model: PreTrainedModel, buckets: Buckets) -> None:
         self._model = weakref.ref(model)
-        self.static = StaticGraphs(model, buckets)
+        self.static = (SpeechGraphs if speech_window(model) is not None else StaticGraphs)(model, buckets)
         self._engine: GenerationEngine | None = None
         self._engine_keys: set[str] = set()  # compile-cache entries of the engines' graphs, this one's and before
         # Tokens the engine chose on the host, by logits processor that made it (see `engine_calls`).

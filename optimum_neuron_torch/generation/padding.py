@@ -36,9 +36,12 @@ def default_attention_mask(input_ids: torch.Tensor, config: GenerationConfig) ->
 
 def fill_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`batch` rows: the given ones, then copies of the first (see `PaddingRowsDone`)."""
-    extra = batch - input_ids.shape[0]
-    return (torch.cat([input_ids, input_ids[:1].expand(extra, -1)]),
-            torch.cat([attention_mask, attention_mask[:1].expand(extra, -1)]))
+    return fill_batch(input_ids, batch), fill_batch(attention_mask, batch)
+
+
+def fill_batch(tensor: torch.Tensor, batch: int) -> torch.Tensor:
+    """`tensor` with `batch` rows (its first dimension): its own, then copies of the first."""
+    return torch.cat([tensor, tensor[:1].expand(batch - tensor.shape[0], *tensor.shape[1:])])
 
 
 def pad_prompt(input_ids: torch.Tensor, attention_mask: torch.Tensor, length: int, pad_id: int, *,
@@ -64,6 +67,24 @@ def unpad(output: Any, rows: int, columns: int, device: torch.device) -> Any:
             setattr(output, name, tuple(step[:rows].to(device) for step in getattr(output, name)))
     if isinstance(output, ModelOutput) and "cache" in output:
         output.cache = None
+    return output
+
+
+def unpad_rows(output: Any, rows: int, device: torch.device) -> Any:
+    """The output of a generate() call whose batch was filled (`fill_batch`), cut back to its first
+    `rows`, on `device`: a tensor of sequences, or a dict (or `ModelOutput`) of tensors of a row
+    each, lists of a row each (Whisper's segments) and tuples of a tensor per step (scores)."""
+    if isinstance(output, torch.Tensor):
+        return output[:rows].to(device)
+    for name, value in list(output.items()):
+        if isinstance(value, torch.Tensor):
+            output[name] = value[:rows].to(device)
+        elif isinstance(value, list):
+            output[name] = value[:rows]
+        elif isinstance(value, tuple) and all(isinstance(step, torch.Tensor) for step in value):
+            output[name] = tuple(step[:rows].to(device) for step in value)
+    if "cache" in output:  # (the model's static cache, reused by the next call)
+        output["cache"] = None
     return output
 
 

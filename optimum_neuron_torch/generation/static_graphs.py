@@ -44,9 +44,9 @@ from ..compiler import regions
 from ..compiler.dynamo_backend import recording_cache_keys
 from ..errors import DEVICE_OR_JOB_FAILURES
 from .buckets import Buckets, PlannedGraph, graph_plan
-from .compiling import COMPILE_CONFIG, QUIET_WHILE_TRACED
+from .compiling import COMPILE_CONFIG, QUIET_WHILE_TRACED, call_module, dense, generation_step
 from .context_windows import ContextWindows
-from .interval_masks import for_graph, in_graph
+from .interval_masks import for_graph
 from .padding import (
     PaddingRowsDone,
     UnpaddedStreamer,
@@ -57,7 +57,7 @@ from .padding import (
     prompt_streamed,
     unpad,
 )
-from .sampling import SamplingParameters, sample
+from .sampling import SamplingParameters
 from .split_model import (
     embeddings_without_padding_index,
     share_random_state,
@@ -150,14 +150,14 @@ class StaticGraphs:
         logits are a host row that makes Transformers' loop choose them: 0 at the token, -inf
         elsewhere."""
         if self._compiled_forward is None:
-            self._compiled_forward = regions.compile_by_layer(_step, whole_because=whole_graphs_reason(self.model),
-                                                          **COMPILE_CONFIG.to_dict())
+            self._compiled_forward = regions.compile_by_layer(
+                generation_step, whole_because=whole_graphs_reason(self.model), **COMPILE_CONFIG.to_dict())
         if inputs.get("attention_mask") is None and not self.encoder_decoder and not self.states_only:
             inputs["attention_mask"] = self._causal_mask(inputs["input_ids"], inputs["cache"],
                                                          inputs.get("position_ids"))
         if "attention_mask" in inputs:
             inputs["attention_mask"] = for_graph(inputs["attention_mask"], self.model.device)
-        inputs = {name: _dense(value) for name, value in inputs.items()}
+        inputs = {name: dense(value) for name, value in inputs.items()}
         sampled = self.sampling is not None and inputs["input_ids"].shape[-1] == 1  # (decoders' decode steps)
         if sampled:  # (the host draws the uniform numbers: from torch's generator, as multinomial would)
             rows = inputs["input_ids"].shape[0]
@@ -210,12 +210,12 @@ class StaticGraphs:
             position_ids=position_ids,
         )
 
-    def _encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> BaseModelOutput:
+    def _encode(self, encoder: torch.nn.Module, **inputs: Any) -> BaseModelOutput:
+        """`encoder`'s output for `inputs`, compiled (a graph per shape)."""
         if self._compiled_encoder is None:
-            self._compiled_encoder = regions.compile_by_layer(_call, whole_because=whole_graphs_reason(self.model),
-                                                          **COMPILE_CONFIG.to_dict())
-        return self._compiled_encoder(self.model.get_encoder(), input_ids=input_ids, attention_mask=attention_mask,
-                                      return_dict=True)
+            self._compiled_encoder = regions.compile_by_layer(
+                call_module, whole_because=whole_graphs_reason(self.model), **COMPILE_CONFIG.to_dict())
+        return self._compiled_encoder(encoder, **{**inputs, "return_dict": True})
 
     def _cache(self, batch: int, encoder_length: int) -> StaticCache | EncoderDecoderCache:
         """The static cache of a batch bucket (and encoder bucket), allocated once (see
@@ -285,7 +285,7 @@ class StaticGraphs:
 
     def _generate(self, transformers_generate: Callable[..., Any], inputs: torch.Tensor | None,
                   generation_config: GenerationConfig | None, eager_because: str | None, **kwargs: Any) -> Any:
-        input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+        input_ids = inputs if inputs is not None else kwargs.pop(self.model.main_input_name, None)
         config, _ = self.model._prepare_generation_config(generation_config, **kwargs)
         mesh = tensor_parallel_mesh(self.model)
         if mesh is not None and config.do_sample:
@@ -295,6 +295,12 @@ class StaticGraphs:
         if self.unservable is not None:  # known from the start, or an earlier call found out
             self._warn_once(*self.unservable)
             return transformers_generate(input_ids, generation_config, **kwargs)
+        return self._compiled_call(transformers_generate, input_ids, generation_config, config, eager_because, kwargs)
+
+    def _compiled_call(self, transformers_generate: Callable[..., Any], input_ids: torch.Tensor | None,
+                       generation_config: GenerationConfig | None, config: GenerationConfig,
+                       eager_because: str | None, kwargs: dict[str, Any]) -> Any:
+        """The call on the buckets' shapes (see `static_plans.plan`), or eager if they cannot serve it."""
         shapes = plan(self.buckets, input_ids, config, kwargs, self.encoder_decoder,
                       padded_prompts=self.unpadded_prompts is None, states_only=self.states_only)
         if self.unpadded_prompts is not None and not isinstance(shapes, str):
@@ -355,8 +361,9 @@ class StaticGraphs:
         input_ids, attention_mask = pad_prompt(input_ids, attention_mask, shapes.padded, pad_id,
                                                left=not self.encoder_decoder)
         if self.encoder_decoder:
-            kwargs["encoder_outputs"] = self._encode(input_ids.to(self.model.device),
-                                                     attention_mask.to(self.model.device))
+            kwargs["encoder_outputs"] = self._encode(self.model.get_encoder(),
+                                                     input_ids=input_ids.to(self.model.device),
+                                                     attention_mask=attention_mask.to(self.model.device))
         else:
             kwargs["prefill_chunk_size"] = shapes.chunk
             if kwargs.get("streamer") is not None:
@@ -455,12 +462,6 @@ class StaticGraphs:
                     self._context_floors = (0, 0)
 
 
-def _call(module: torch.nn.Module, **inputs: Any) -> Any:
-    """What gets compiled: a call of the module, which it takes as an argument so that the compiled
-    function holds no reference to the model (the model holds it)."""
-    return module(**inputs)
-
-
 class _UnlessChosenInGraph(LogitsProcessor):
     """Transformers' warpers of a call whose decode steps sample in the graph: they warp the logits
     of the steps that did not (the prefill's), and pass the host rows of those that did."""
@@ -470,31 +471,3 @@ class _UnlessChosenInGraph(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
         return scores if self.generation.chose_in_graph else self.processors(input_ids, scores)
-
-
-def _step(model: torch.nn.Module, sampling: tuple[torch.Tensor, torch.Tensor] | None = None,
-          **inputs: Any) -> tuple[Any, torch.Tensor]:
-    """What gets compiled for a step of generation (its masks as intervals, see `interval_masks`):
-    the model's output, and the token of each row, chosen on the device: drawn with `sampling` (the
-    parameters and uniform numbers, see `sampling.sample`) when given, else the greedy token (the
-    last position's logits, first of equal maxima, as `torch.argmax` on the host chooses)."""
-    if "attention_mask" in inputs:
-        inputs["attention_mask"] = in_graph(inputs["attention_mask"])
-    output = model(**inputs)
-    if sampling is not None:
-        return output, sample(output.logits[:, -1], *sampling)
-    return output, output.logits[:, -1].argmax(-1)
-
-
-def _dense(value: Any) -> Any:
-    """`value` with the strides of a new contiguous tensor (Dynamo guards on strides, even those
-    of size-1 dimensions that `contiguous()` leaves as they are)."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    expected, stride = [], 1
-    for size in reversed(value.shape):
-        expected.append(stride)
-        stride *= max(size, 1)
-    if value.stride() != tuple(reversed(expected)):
-        return value.clone(memory_format=torch.contiguous_format)
-    return value

@@ -11,6 +11,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation import GenerationMode
+from transformers.models.whisper.generation_whisper import WhisperGenerationMixin
 
 from ..errors import NeuronTorchError, first_line
 from .buckets import Buckets
@@ -91,6 +92,38 @@ def plan(buckets: Buckets, input_ids: torch.Tensor | None, config: GenerationCon
                 "where the KV cache holds "
                 f"{buckets.max_length}; raise it with model.precompile(max_length=...)")
     return Shapes(rows, batch, prompt, padded, chunk, new_tokens, min_new_tokens)
+
+
+def speech_window(model: PreTrainedModel) -> int | None:
+    """The encoder positions of the windows a speech encoder-decoder's own generate() encodes, or
+    None for another model. Whisper's (`WhisperGenerationMixin`) cuts any audio into 30-second
+    windows of `2 * max_source_positions` log-mel frames (a shorter clip is padded to one), so its
+    encoder meets one shape per batch size, and its cross-attention `max_source_positions` keys."""
+    return model.config.max_source_positions if isinstance(model, WhisperGenerationMixin) else None
+
+
+def plan_speech(buckets: Buckets, features: torch.Tensor | None, config: GenerationConfig,
+                kwargs: dict[str, Any]) -> tuple[int, int] | str:
+    """The rows of a speech encoder-decoder's generate() call (see `speech_window`) and the batch
+    bucket they are filled to, or why it cannot run on static graphs."""
+    for name, why in UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            return why
+    if kwargs.get("encoder_outputs") is not None:
+        return "encoder outputs passed by the caller"
+    if features is None or features.ndim != 3:
+        return "generation without a 3D tensor of input features ([batch, mel bins, frames])"
+    mode = config.get_generation_mode()
+    if mode not in (*SUPPORTED_MODES, GenerationMode.BEAM_SEARCH):  # (see `SpeechGraphs._compiled_call`)
+        return f"{mode.value.replace('_', ' ')} (num_beams={config.num_beams})"
+    if config.num_return_sequences not in (None, 1):
+        return f"num_return_sequences={config.num_return_sequences}"
+    rows = features.shape[0]
+    batch = buckets.batch_size_for(rows)
+    if batch is None:
+        return (f"a batch of {rows} audio inputs, above the largest batch bucket ({buckets.batch_sizes[-1]}); "
+                "add a bucket with model.precompile(batch_sizes=...)")
+    return rows, batch
 
 
 def why_no_static_cache(model: PreTrainedModel) -> tuple[str, str] | None:

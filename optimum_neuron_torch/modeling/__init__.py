@@ -2,11 +2,18 @@
 
 from .auto import (
     NeuronAutoModel,
+    NeuronAutoModelForAudioClassification,
     NeuronAutoModelForCausalLM,
+    NeuronAutoModelForCTC,
+    NeuronAutoModelForImageClassification,
+    NeuronAutoModelForImageTextToText,
     NeuronAutoModelForMaskedLM,
     NeuronAutoModelForQuestionAnswering,
     NeuronAutoModelForSeq2SeqLM,
     NeuronAutoModelForSequenceClassification,
+    NeuronAutoModelForSpeechSeq2Seq,
+    NeuronAutoModelForTextToSpectrogram,
+    NeuronAutoModelForTextToWaveform,
     NeuronAutoModelForTokenClassification,
     neuron_auto_class_for,
 )
@@ -15,6 +22,13 @@ from .embeddings import embed, pool
 __all__ = [
     "NeuronAutoModel",
     "NeuronAutoModelForCausalLM",
+    "NeuronAutoModelForAudioClassification",
+    "NeuronAutoModelForCTC",
+    "NeuronAutoModelForImageClassification",
+    "NeuronAutoModelForImageTextToText",
+    "NeuronAutoModelForSpeechSeq2Seq",
+    "NeuronAutoModelForTextToSpectrogram",
+    "NeuronAutoModelForTextToWaveform",
     "NeuronAutoModelForMaskedLM",
     "NeuronAutoModelForQuestionAnswering",
     "NeuronAutoModelForSeq2SeqLM",

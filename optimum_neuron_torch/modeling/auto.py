@@ -9,11 +9,18 @@ from typing import Any
 
 from transformers import (
     AutoModel,
+    AutoModelForAudioClassification,
     AutoModelForCausalLM,
+    AutoModelForCTC,
+    AutoModelForImageClassification,
+    AutoModelForImageTextToText,
     AutoModelForMaskedLM,
     AutoModelForQuestionAnswering,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
+    AutoModelForSpeechSeq2Seq,
+    AutoModelForTextToSpectrogram,
+    AutoModelForTextToWaveform,
     AutoModelForTokenClassification,
     PretrainedConfig,
     PreTrainedModel,
@@ -292,13 +299,162 @@ class NeuronAutoModelForQuestionAnswering(_NeuronAutoMixin, AutoModelForQuestion
     """
 
 
+class NeuronAutoModelForSpeechSeq2Seq(_NeuronAutoMixin, AutoModelForSpeechSeq2Seq):
+    """Speech-to-text encoder-decoders (Whisper, ...), with compiled generation: Whisper's own
+    `generate()` (30-second windows, timestamps, languages) runs its encoder and decode steps on
+    graphs compiled once per batch bucket, whatever the audio's length (see
+    `optimum_neuron_torch.generation.speech_graphs`).
+
+    Not instantiated: `from_pretrained` loads the checkpoint's model straight onto the `neuron`
+    device and returns the plain Transformers model; its docstring lists the arguments (Args),
+    what it returns (Returns) and the errors it raises (Raises).
+
+    Example:
+
+    ```python
+    >>> from transformers import AutoProcessor
+    >>> from optimum_neuron_torch import NeuronAutoModelForSpeechSeq2Seq
+
+    >>> model = NeuronAutoModelForSpeechSeq2Seq.from_pretrained("openai/whisper-tiny.en")
+    >>> processor = AutoProcessor.from_pretrained("openai/whisper-tiny.en")
+    >>> inputs = processor(audio, sampling_rate=16000, return_tensors="pt").to("neuron")  # audio: 16 kHz samples
+    >>> processor.batch_decode(model.generate(**inputs), skip_special_tokens=True)
+    ```
+    """
+
+    compiled_generation = True
+
+
+class NeuronAutoModelForCTC(_NeuronAutoMixin, AutoModelForCTC):
+    """Speech recognition models with a CTC head (wav2vec2, HuBERT, ...).
+
+    Not instantiated: `from_pretrained` loads the checkpoint's model straight onto the `neuron`
+    device and returns the plain Transformers model; its docstring lists the arguments (Args),
+    what it returns (Returns) and the errors it raises (Raises).
+
+    Example:
+
+    ```python
+    >>> from transformers import AutoProcessor
+    >>> from optimum_neuron_torch import NeuronAutoModelForCTC
+
+    >>> model = NeuronAutoModelForCTC.from_pretrained("facebook/wav2vec2-base-960h")
+    >>> processor = AutoProcessor.from_pretrained("facebook/wav2vec2-base-960h")
+    >>> logits = model(**processor(audio, sampling_rate=16000, return_tensors="pt").to("neuron")).logits
+    >>> processor.batch_decode(logits.argmax(-1))
+    ```
+    """
+
+
+class NeuronAutoModelForAudioClassification(_NeuronAutoMixin, AutoModelForAudioClassification):
+    """Audio classification models (keyword spotting, speaker or emotion recognition, ...).
+
+    Not instantiated: `from_pretrained` loads the checkpoint's model straight onto the `neuron`
+    device and returns the plain Transformers model; its docstring lists the arguments (Args),
+    what it returns (Returns) and the errors it raises (Raises).
+
+    Example:
+
+    ```python
+    >>> from optimum_neuron_torch import NeuronAutoModelForAudioClassification
+
+    >>> model = NeuronAutoModelForAudioClassification.from_pretrained("superb/wav2vec2-base-superb-ks")
+    ```
+    """
+
+
+class NeuronAutoModelForTextToWaveform(_NeuronAutoMixin, AutoModelForTextToWaveform):
+    """Text-to-speech models that give a waveform (VITS/MMS-TTS, Bark, MusicGen, ...).
+
+    Not instantiated: `from_pretrained` loads the checkpoint's model straight onto the `neuron`
+    device and returns the plain Transformers model; its docstring lists the arguments (Args),
+    what it returns (Returns) and the errors it raises (Raises).
+
+    Example:
+
+    ```python
+    >>> from transformers import AutoTokenizer
+    >>> from optimum_neuron_torch import NeuronAutoModelForTextToWaveform
+
+    >>> model = NeuronAutoModelForTextToWaveform.from_pretrained("facebook/mms-tts-eng")
+    >>> tokenizer = AutoTokenizer.from_pretrained("facebook/mms-tts-eng")
+    >>> waveform = model(**tokenizer("Hello", return_tensors="pt").to("neuron")).waveform
+    ```
+    """
+
+
+class NeuronAutoModelForTextToSpectrogram(_NeuronAutoMixin, AutoModelForTextToSpectrogram):
+    """Text-to-speech models that give a spectrogram for a vocoder (SpeechT5, FastSpeech2, ...).
+
+    Not instantiated: `from_pretrained` loads the checkpoint's model straight onto the `neuron`
+    device and returns the plain Transformers model; its docstring lists the arguments (Args),
+    what it returns (Returns) and the errors it raises (Raises).
+
+    Example:
+
+    ```python
+    >>> from optimum_neuron_torch import NeuronAutoModelForTextToSpectrogram
+
+    >>> model = NeuronAutoModelForTextToSpectrogram.from_pretrained("microsoft/speecht5_tts")
+    ```
+    """
+
+
+class NeuronAutoModelForImageClassification(_NeuronAutoMixin, AutoModelForImageClassification):
+    """Image classification models (ViT, ConvNeXt, ...).
+
+    Not instantiated: `from_pretrained` loads the checkpoint's model straight onto the `neuron`
+    device and returns the plain Transformers model; its docstring lists the arguments (Args),
+    what it returns (Returns) and the errors it raises (Raises).
+
+    Example:
+
+    ```python
+    >>> from transformers import AutoImageProcessor
+    >>> from optimum_neuron_torch import NeuronAutoModelForImageClassification
+
+    >>> model = NeuronAutoModelForImageClassification.from_pretrained("google/vit-base-patch16-224")
+    >>> processor = AutoImageProcessor.from_pretrained("google/vit-base-patch16-224")
+    >>> logits = model(**processor(image, return_tensors="pt").to("neuron")).logits
+    >>> model.config.id2label[logits.argmax(-1).item()]
+    ```
+    """
+
+
+class NeuronAutoModelForImageTextToText(_NeuronAutoMixin, AutoModelForImageTextToText):
+    """Vision-language models that answer in text (LLaVA, Qwen2-VL, Gemma 3, Idefics, ...); their
+    `generate()` is Transformers' own, run eagerly on the device.
+
+    Not instantiated: `from_pretrained` loads the checkpoint's model straight onto the `neuron`
+    device and returns the plain Transformers model; its docstring lists the arguments (Args),
+    what it returns (Returns) and the errors it raises (Raises).
+
+    Example:
+
+    ```python
+    >>> from transformers import AutoProcessor
+    >>> from optimum_neuron_torch import NeuronAutoModelForImageTextToText
+
+    >>> model = NeuronAutoModelForImageTextToText.from_pretrained("llava-hf/llava-interleave-qwen-0.5b-hf")
+    >>> processor = AutoProcessor.from_pretrained("llava-hf/llava-interleave-qwen-0.5b-hf")
+    ```
+    """
+
+
 HEAD_CLASSES = (
     NeuronAutoModelForCausalLM,
     NeuronAutoModelForSeq2SeqLM,
+    NeuronAutoModelForSpeechSeq2Seq,
+    NeuronAutoModelForImageTextToText,
     NeuronAutoModelForMaskedLM,
     NeuronAutoModelForSequenceClassification,
     NeuronAutoModelForTokenClassification,
     NeuronAutoModelForQuestionAnswering,
+    NeuronAutoModelForCTC,
+    NeuronAutoModelForAudioClassification,
+    NeuronAutoModelForTextToWaveform,
+    NeuronAutoModelForTextToSpectrogram,
+    NeuronAutoModelForImageClassification,
 )
 
 

@@ -18,7 +18,15 @@ from transformers import AutoTokenizer, Pipeline, PreTrainedModel, PreTrainedTok
 
 from ..errors import ConfigurationError
 from .question_answering import QuestionAnsweringPipeline
-from .tasks import NEURON_AUTO_CLASSES, PIPELINE_CLASSES, default_model, task_name
+from .tasks import (
+    MULTIMODAL_TASKS,
+    PIPELINE_CLASSES,
+    PREPROCESSING,
+    auto_class_for,
+    default_model,
+    preprocessing,
+    task_name,
+)
 from .text2text_generation import Text2TextGenerationPipeline
 
 # Keyword arguments that apply to loading the model (and, the Hub ones, its tokenizer).
@@ -40,13 +48,18 @@ def pipeline(
         task (`str`):
             The task: one of `optimum_neuron_torch.pipelines.tasks.NEURON_AUTO_CLASSES`
             (`"text-generation"`, `"feature-extraction"`, `"text2text-generation"`,
-            `"question-answering"`, ...) or an alias of one (`TASK_ALIASES`).
+            `"question-answering"`, `"automatic-speech-recognition"`, `"audio-classification"`,
+            `"text-to-audio"`, `"image-classification"`, `"image-text-to-text"`, ...) or an alias
+            of one (`TASK_ALIASES`).
         model (`str`, `os.PathLike` or `PreTrainedModel`, *optional*):
             A Hub model id or a local folder (loaded with the task's Neuron Auto class), an
             already-loaded model, or `None` for the task's default model (text-generation:
             SmolLM2-135M-Instruct; feature-extraction: all-MiniLM-L6-v2, when installed).
         tokenizer (`str`, `os.PathLike` or `PreTrainedTokenizerBase`, *optional*):
-            The tokenizer, or where to load it from; defaults to the model's.
+            The tokenizer, or where to load it from; defaults to the model's. The tasks of audio and
+            images get their feature extractor, image processor or processor from the model's
+            checkpoint, as Transformers loads them (or pass `feature_extractor=`, `image_processor=`,
+            `processor=`).
         device (`str` or `torch.device`, *optional*, defaults to `"neuron"`):
             Where the model runs.
         kwargs (`dict[str, Any]`, *optional*):
@@ -102,8 +115,12 @@ def pipeline(
         source = str(model if model is not None else default_model(task))
         hub = {name: loading[name] for name in HUB_KWARGS if name in loading}
         config_kwargs = loading.pop("model_kwargs", None) or {}
-        model = NEURON_AUTO_CLASSES[task].from_pretrained(source, device=device, **loading, **config_kwargs)
+        model = auto_class_for(task, source, **hub).from_pretrained(source, device=device, **loading, **config_kwargs)
         device = model.device  # (its index: under tensor parallelism, this rank's device)
+    if task in MULTIMODAL_TASKS:  # (Transformers loads their preprocessing from the checkpoint's folder)
+        given = {"tokenizer": tokenizer, **{name: kwargs.pop(name) for name in PREPROCESSING if name in kwargs}}
+        return transformers.pipeline(task, model=model, device=device, **preprocessing(task, source, given, **hub),
+                                     **kwargs)
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or source), **hub)
     if task in PIPELINE_CLASSES:
