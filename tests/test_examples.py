@@ -14,6 +14,7 @@ import pytest
 
 import optimum_neuron_torch as ont
 from optimum_neuron_torch.compatibility import NEEDS_PATCHES
+from tiny_models import save_audio_and_image_checkpoint
 
 pytestmark = pytest.mark.slow  # the examples run as written, on the real default model
 
@@ -76,3 +77,14 @@ def test_finetune_trains_a_lora_adapter_on_neuron():
     first, last = map(float, re.search(r"loss: ([\d.]+) \(first step\) -> ([\d.]+)", stdout).groups())
     assert last < first - 1.0, stdout  # the answers are learnt
     assert "the merged model answers as the adapter model does" in stdout
+
+
+def test_speech_to_text_to_speech_equals_the_cpu(tmp_path):
+    """The example on tiny checkpoints (its defaults are Hub models, unreachable here): speech read by a
+    VITS model and transcribed by a Whisper model on compiled graphs, each equal to the CPU's."""
+    tts = save_audio_and_image_checkpoint("vits", tmp_path / "vits")
+    asr = save_audio_and_image_checkpoint("whisper", tmp_path / "whisper")
+    stdout = run_example("speech_to_text_to_speech.py", "--tts-model", str(tts), "--asr-model", str(asr),
+                         "--text", "hello world", "--max-new-tokens", "16").stdout
+    assert re.search(r"speech: [\d.]+ s at 16000 Hz on neuron:0 \(same as the CPU: True\)", stdout), stdout
+    assert "(same as the CPU: True)\nreal-time factor of the transcription: " in stdout, stdout

@@ -242,6 +242,7 @@ def save_audio_and_image_checkpoint(name: str, folder: Path) -> Path:
     to speech, without phonemizer) or "llava" (image-text-to-text: a CLIP vision tower, a Llama
     and a processor with a chat template of text and image parts)."""
     torch.manual_seed(0)
+    folder.mkdir(parents=True, exist_ok=True)
     if name == "whisper":
         model = tiny_whisper()
         parts = [transformers.WhisperFeatureExtractor(), whisper_tokenizer()]
