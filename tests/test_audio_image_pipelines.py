@@ -13,9 +13,10 @@ import pytest
 import transformers
 
 import optimum_neuron_torch as ont
+from optimum_neuron_torch.errors import ConfigurationError
 from optimum_neuron_torch.generation.mixin import NeuronGenerationMixin
 from testing_utils import assert_same_output
-from tiny_models import save_audio_and_image_checkpoint, tones
+from tiny_models import TINY_MODELS, save_audio_and_image_checkpoint, tones
 
 IMAGE = PIL.Image.fromarray(numpy.random.RandomState(0).randint(0, 256, (48, 40, 3), dtype=numpy.uint8))
 CHAT = [{"role": "user", "content": [{"type": "image", "image": IMAGE}, {"type": "text", "text": "what is it?"}]}]
@@ -86,3 +87,20 @@ def test_bad_audio_and_images(checkpoint):
     classifier = ont.pipeline("image-classification", str(checkpoint("vit")))
     with pytest.raises(Exception, match="no-such-image.png"):
         classifier("no-such-image.png")
+
+
+def test_check_feeds_audio_models_their_own_inputs(checkpoint):
+    """`check()` of a speech model runs it on its own input (log-mel features, raw samples), not token
+    ids: Whisper compiles whole and lowers to StableHLO; wav2vec2's weight norm falls back, and is named."""
+    whisper = ont.check(str(checkpoint("whisper")))
+    assert whisper.verdict == "runs natively" and whisper.compile_error is None
+    assert whisper.stablehlo == "1 of 1 compiled graph(s) lower to StableHLO"
+    wav2vec2 = ont.check(str(checkpoint("wav2vec2_ctc")))
+    assert wav2vec2.verdict == "runs with fallbacks" and wav2vec2.compile_error is None
+    assert "aten::_weight_norm_interface" in [fallback.op for fallback in wav2vec2.fallbacks]
+
+
+def test_a_task_without_a_model_for_the_checkpoint_is_refused_naming_both(tmp_path):
+    folder = TINY_MODELS["llama"].save(tmp_path / "llama")
+    with pytest.raises(ConfigurationError, match=r"'automatic-speech-recognition' task has no model for .*'llama'"):
+        ont.pipeline("automatic-speech-recognition", str(folder))

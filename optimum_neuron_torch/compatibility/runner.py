@@ -320,11 +320,19 @@ def _lower_training_graphs(model: torch.nn.Module, inputs: Inputs, report: Compa
 
 
 def default_inputs(model: PreTrainedModel, sequence_length: int = 16) -> dict[str, Any]:
-    """Random token ids (batch 1) of `sequence_length`, the mask, and decoder ids for seq2seq."""
+    """Random token ids (batch 1) of `sequence_length`, the mask, and decoder ids for seq2seq; a model
+    of audio or images gets its own input instead of the ids and mask (`main_input_name`): log-mel
+    `input_features` (one window), `input_values` (a second at 16 kHz) or `pixel_values`."""
     config = model.config.get_text_config()
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(min(4, config.vocab_size - 1), config.vocab_size, (1, sequence_length), generator=generator)
+    vocab = getattr(config, "vocab_size", None) or 8  # (an image model has none: its ids are not used)
+    ids = torch.randint(min(4, vocab - 1), vocab, (1, sequence_length), generator=generator)
     inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    shapes = {"input_features": lambda c: (1, c.num_mel_bins, 2 * c.max_source_positions),
+              "input_values": lambda c: (1, 16000),
+              "pixel_values": lambda c: (1, c.num_channels, c.image_size, c.image_size)}
+    if model.main_input_name in shapes:
+        inputs = {model.main_input_name: torch.randn(shapes[model.main_input_name](model.config), generator=generator)}
     if model.config.is_encoder_decoder:
         inputs["decoder_input_ids"] = ids[:, : max(1, sequence_length // 2)]
     if "use_cache" in inspect.signature(model.forward).parameters:
