@@ -87,13 +87,15 @@ OVERRIDES: dict[str, dict] = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
 }
 
-# The fixed sample of CI (tests/test_coverage.py): the families, the failure classes and their fixes.
+# The fixed sample of CI (tests/test_coverage.py): the families, the failure classes and their fixes. (Each type
+# costs 30-80 s of the slow tier: dense decoders and experts of the same family as one sampled, e.g. qwen3, phi,
+# gpt_neox, opt, olmo2, xglm, granitemoe, are left to the full sweep.)
 SAMPLE = (
     # dense decoders
-    "llama", "mistral", "qwen2", "qwen3", "gemma2", "phi", "phi3", "gpt2", "gpt_neox", "opt", "bloom", "olmo2", "xglm",
+    "llama", "mistral", "qwen2", "gemma2", "phi3", "gpt2", "bloom",
     # mixtures of experts (the static-experts patch; DeepSeek-V3's router: the sorted-top-k patch), multi-head latent
     # attention (caches allocated by one step), and a graph split around data-dependent routing (in-place cache writes)
-    "mixtral", "qwen2_moe", "granitemoe", "deepseek_v32", "deepseek_v3", "jetmoe",
+    "mixtral", "qwen2_moe", "deepseek_v32", "deepseek_v3", "jetmoe",
     # hybrid, convolution and state-space caches (Transformers' linear-attention cache layers), multi-query attention
     "bamba", "jamba", "lfm2", "mamba", "falcon",
     # encoder architectures as decoders, seq2seq models' decoders (positions by cache slot: prompts kept unpadded;

@@ -89,6 +89,7 @@ def test_bad_audio_and_images(checkpoint):
         classifier("no-such-image.png")
 
 
+@pytest.mark.slow  # (the fast tier's budget: check() compiles each model)
 def test_check_feeds_audio_models_their_own_inputs(checkpoint):
     """`check()` of a speech model runs it on its own input (log-mel features, raw samples), not token
     ids: Whisper compiles whole and lowers to StableHLO; wav2vec2's weight norm falls back, and is named."""

@@ -109,6 +109,7 @@ def test_a_second_process_loads_instead_of_compiling(saved_llama, filled_cache, 
     assert vector_isa_probes_in(cache) == []  # (compiling probes in Inductor's shared cache too)
 
 
+@pytest.mark.slow  # (the fast tier's budget: its cache tests load and reuse entries)
 def test_every_entry_holds_the_library_of_each_kernel_it_loads(saved_llama, tmp_path, monkeypatch):
     """Graphs of one process that share a kernel (the same C++ source: Inductor builds it once and
     takes it from memory for the next graph) each hold its library: loading an entry in another
@@ -124,6 +125,7 @@ def test_every_entry_holds_the_library_of_each_kernel_it_loads(saved_llama, tmp_
                in entry.metadata[CHECKSUMS] for entry in entries for source in entry.path.rglob("*.cpp"))
 
 
+@pytest.mark.slow  # (the fast tier's budget: its cache tests load and reuse entries)
 def test_a_kernel_is_built_once_whichever_graph_or_process_needs_it(saved_llama, tmp_path, monkeypatch):
     """Inductor builds C++ kernels in a folder of the compile cache shared by every process (and rank),
     and each entry holds the very libraries built there: the graphs of a later process (here: this one

@@ -722,6 +722,7 @@ def test_logit_bias_is_transformers_sequence_bias_of_single_tokens(app, cpu_mode
         assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
 
 
+@pytest.mark.slow  # (the fast tier's budget)
 def test_a_restarted_server_engine_is_ready_before_loading_the_graphs_it_finds_compiled(cpu_model, tmp_path,
                                                                                          monkeypatch):
     """An engine over graphs an earlier one left whole in the compile cache (each graph's function and

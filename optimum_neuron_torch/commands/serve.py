@@ -10,13 +10,18 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CTC_MAPPING_NAMES,
+    MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+)
 
 from .. import settings
 from ..errors import ConfigurationError, InvalidRequestError, MissingDependencyError
 from ..generation.buckets import Buckets
 from ..loading import DEFAULT_MODEL, default_model_path
 from ..modeling import NeuronAutoModel
+from ..pipelines import pipeline
 from ..pipelines.tasks import default_model
 from .launch import is_first_rank
 from .models import load_generative_model
@@ -40,8 +45,8 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int 
     with `enable_lora` (or `lora_modules`, each `name=folder` of a PEFT adapter), `max_loras` LoRA
     adapters of rank up to `max_lora_rank` (see `lora_adapters`);
     tool calls read by `tool_call_parser`, default: the
-    format the chat template names) or `embed` (`/v1/embeddings`, see `serving.embedding_engine`);
-    default: `embed` for a sentence-transformers folder, else `generate`.
+    format the chat template names), `embed` (`/v1/embeddings`, see `serving.embedding_engine`) or
+    `transcribe` (`/v1/audio/transcriptions`, see `serving.transcriptions`); default: `default_task`.
 
     Raises:
         MissingDependencyError: FastAPI, uvicorn or openai is not installed (the `serve` extra).
@@ -56,10 +61,19 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int 
         from ..generation.split_model import StepBroadcast
         from ..serving.embedding_engine import EmbeddingEngine
         from ..serving.server import run_server
+        from ..serving.transcriptions import TranscriptionEngine
     except ImportError as error:
         raise MissingDependencyError(f"serving needs the package {error.name}: "
                                      "pip install 'optimum-neuron-torch[serve]'") from None
-    task = task or ("embed" if model_id is not None and (Path(model_id) / "modules.json").is_file() else "generate")
+    task = task or default_task(model_id)
+    if task == "transcribe":
+        if model_id is None or tp_size > 1:
+            raise ConfigurationError("a speech recognition model is served by one process, named: "
+                                     "`serve --model MODEL --task transcribe` without --tensor-parallel-size")
+        engine = TranscriptionEngine(pipeline("automatic-speech-recognition", model_id, dtype=dtype))
+        run_server(engine, model_id, host=host, port=port, drain_seconds=DRAIN_SECONDS,
+                   api_key=api_key if api_key is not None else settings.serving_api_key())
+        return
     if task == "embed":
         if tp_size > 1:
             raise ConfigurationError("an embedding model is served by one process: leave out --tensor-parallel-size")
@@ -104,6 +118,18 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int 
     run_server(engine, model_id or DEFAULT_MODEL,  # (what clients call the default model)
                host=host, port=port, drain_seconds=DRAIN_SECONDS,
                api_key=api_key if api_key is not None else settings.serving_api_key(), tool_parser=tool_call_parser)
+
+
+def default_task(model_id: str | None) -> str:
+    """`embed` for a sentence-transformers folder, `transcribe` for a speech recognition model (its
+    config in Transformers' speech-to-text or CTC mappings), else `generate`."""
+    if model_id is None:
+        return "generate"
+    if (Path(model_id) / "modules.json").is_file():
+        return "embed"
+    config = AutoConfig.from_pretrained(model_id)
+    speech = (*MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES, *MODEL_FOR_CTC_MAPPING_NAMES)
+    return "transcribe" if config.model_type in speech else "generate"
 
 
 def serving_buckets(model: PreTrainedModel, *, batch_size: int | None = None, max_length: int | None = None,

@@ -1,11 +1,12 @@
-"""The HTTP side of the server: FastAPI routes speaking the OpenAI API over a `GenerationEngine`, or an
-`EmbeddingEngine`.
+"""The HTTP side of the server: FastAPI routes speaking the OpenAI API over a `GenerationEngine`, an
+`EmbeddingEngine` or a `TranscriptionEngine`.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions` (streamed as server-sent events
 ending with `data: [DONE]`, or whole) over a generation engine, with its LoRA adapters (named as
 `model`; `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`, as vLLM's, when the engine has
 `lora_adapters.AdapterSlots`), `POST /v1/embeddings` over an
-embedding engine (each answering 404 over the other), `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (503
+embedding engine, `POST /v1/audio/transcriptions` over a transcription engine (see `transcriptions`;
+each answering 404 over the others), `GET /v1/models`, `GET /v1/models/{id}`, `GET /health` (503
 until every graph is compiled; then 200, counting the graphs not loaded yet), `GET /metrics`
 (Prometheus, see `metrics`). With an API key, every route but `/health` wants
 `Authorization: Bearer <key>`.
@@ -56,14 +57,16 @@ from .protocol import (
 )
 from .structured_output import Grammars
 from .tool_calls import ToolChoice, parser_of_template, tool_choice
+from .transcriptions import TranscriptionEngine, transcription_routes
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DISCONNECT_POLL_SECONDS = 0.5  # how often a request waiting for its tokens checks that its client is still there
 STARTING_RETRY_SECONDS = 5  # the Retry-After of a 503 while the graphs compile or load
 
 
-def build_app(engine: GenerationEngine | EmbeddingEngine, model_name: str, *, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, tool_parser: str | None = None) -> FastAPI:
+def build_app(engine: GenerationEngine | EmbeddingEngine | TranscriptionEngine, model_name: str, *,
+              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              tool_parser: str | None = None) -> FastAPI:
     """The server's FastAPI application over `engine`, which the caller starts (`/health` answers 503
     until its graphs are ready); the application's shutdown stops it (letting the requests running
     finish).
@@ -171,6 +174,8 @@ def build_app(engine: GenerationEngine | EmbeddingEngine, model_name: str, *, ap
 
     if isinstance(engine, EmbeddingEngine):
         _embedding_routes(app, engine, model_name, max_body_bytes)
+    elif isinstance(engine, TranscriptionEngine):
+        transcription_routes(app, engine, model_name, _check_model)
     else:
         _generation_routes(app, engine, model_name, max_body_bytes, metrics, tool_parser)
     return app

@@ -24,6 +24,7 @@ class ServeCommand(LibraryCommand):
         "optimum-cli neuron-torch serve --model org/model-id --dtype bfloat16 --batch-size 8 --port 8080",
         "optimum-cli neuron-torch serve --model org/model-id --tensor-parallel-size 2",
         "optimum-cli neuron-torch serve --task embed --batch-size 16 --max-length 256",
+        "optimum-cli neuron-torch serve --model openai/whisper-tiny.en --task transcribe",
     )
 
     @staticmethod
@@ -48,10 +49,11 @@ class ServeCommand(LibraryCommand):
         parser.add_argument("--prefill-budget", type=positive,
                             help="The most prompt tokens prefilled between two decode steps: the longest a new "
                                  "request delays the others' next token (default: the largest prompt bucket).")
-        parser.add_argument("--task", choices=("generate", "embed"),
-                            help="generate: chat and completions; embed: /v1/embeddings from an encoder (default: "
-                                 "embed for a sentence-transformers folder, else generate; the default embedding "
-                                 "model is the packaged all-MiniLM-L6-v2).")
+        parser.add_argument("--task", choices=("generate", "embed", "transcribe"),
+                            help="generate: chat and completions; embed: /v1/embeddings from an encoder; "
+                                 "transcribe: /v1/audio/transcriptions from a speech recognition model (default: "
+                                 "embed for a sentence-transformers folder, transcribe for Whisper or a CTC model, "
+                                 "else generate; the default embedding model is the packaged all-MiniLM-L6-v2).")
         parser.add_argument("--prompt-logprobs", action="store_true",
                             help="Let completions score their prompt (`echo` with `logprobs`, as lm-eval's "
                                  "loglikelihood tasks ask): compiles a scoring prefill per prompt bucket and chunk "
