@@ -127,7 +127,10 @@ def default_task(model_id: str | None) -> str:
         return "generate"
     if (Path(model_id) / "modules.json").is_file():
         return "embed"
-    config = AutoConfig.from_pretrained(model_id)
+    try:
+        config = AutoConfig.from_pretrained(model_id)
+    except (OSError, ValueError):  # (no config it can read: the generative model's loader says why)
+        return "generate"
     speech = (*MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES, *MODEL_FOR_CTC_MAPPING_NAMES)
     return "transcribe" if config.model_type in speech else "generate"
 
