@@ -28,6 +28,7 @@ import time
 
 import torch
 import transformers
+from serve import best_seconds, read_bandwidth
 from torch.utils.flop_counter import FlopCounterMode
 
 import optimum_neuron_torch  # noqa: F401  (the neuron device)
@@ -39,26 +40,11 @@ TINY = dict(vocab_size=51865, d_model=384, encoder_layers=4, decoder_layers=4, e
 SECONDS = 30.0  # (one window)
 
 
-def best_seconds(function, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        began = time.perf_counter()
-        function()
-        best = min(best, time.perf_counter() - began)
-    return best
-
-
 def matmul_rate() -> float:
     """Floating-point operations per second of this machine's float32 matmul (the encoder's shapes)."""
     x, w = torch.randn(1500, 384), torch.randn(1536, 384)
     seconds = best_seconds(lambda: [x @ w.t() for _ in range(20)], 5)
     return 20 * 2 * 1500 * 384 * 1536 / seconds
-
-
-def read_bandwidth() -> float:
-    """Bytes per second of a plain read of a 1 GiB float32 tensor (best of 5)."""
-    x = torch.ones(256 * 1024 * 1024)
-    return x.nbytes / best_seconds(x.sum, 5)
 
 
 def main() -> None:

@@ -18,7 +18,6 @@ encoder compiled, but its decode steps eagerly: Transformers' beam search calls 
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -96,9 +95,7 @@ class SpeechGraphs(StaticGraphs):
                    "eagerly: Transformers' beam search calls the model itself, not its compiled call. Greedy or "
                    "sampled generation (num_beams=1; e.g. the speech recognition pipeline's "
                    "generate_kwargs={'num_beams': 1}) compiles them.")
-        if message not in self._warned:
-            self._warned.add(message)
-            warnings.warn(message, stacklevel=6)
+        self._warn(message, stacklevel=6)
 
     def graph_plan(self, buckets: Buckets | None = None, sampling: bool | None = None) -> list[PlannedGraph]:
         """Per batch bucket, the encoder of a window and a decode step (the decoder's prompt runs

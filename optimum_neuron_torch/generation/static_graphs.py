@@ -412,13 +412,15 @@ class StaticGraphs:
             warnings.warn(message, stacklevel=5)
 
     def _warn_once(self, reason: str, remedy: str | None = None) -> None:
-        if reason not in self._warned:
-            self._warned.add(reason)
-            warnings.warn(
-                f"generate() with {reason} does not run on the compiled neuron graphs: falling back to Transformers' "
-                "eager generate(), which compiles nothing and is much slower on Neuron."
-                + (f" What would make it compile: {remedy}." if remedy else ""), stacklevel=4,
-            )
+        self._warn(f"generate() with {reason} does not run on the compiled neuron graphs: falling back to "
+                   "Transformers' eager generate(), which compiles nothing and is much slower on Neuron."
+                   + (f" What would make it compile: {remedy}." if remedy else ""), stacklevel=4)
+
+    def _warn(self, message: str, stacklevel: int) -> None:
+        """Warns `message` the first time only (`stacklevel`: as seen from the caller)."""
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(message, stacklevel=stacklevel + 1)
 
     # precompile() ------------------------------------------------------------------------------
     def graph_plan(self, buckets: Buckets | None = None, sampling: bool | None = None) -> list[PlannedGraph]:

@@ -15,10 +15,9 @@ serves (`ready`), so no mix of inputs compiles anything.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
+import contextlib
 import logging
-import threading
 from itertools import product
 from pathlib import Path
 
@@ -27,9 +26,10 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ..compiler import regions
-from ..errors import DEVICE_OR_JOB_FAILURES, InvalidRequestError, ServerBusyError
+from ..errors import DEVICE_OR_JOB_FAILURES, InvalidRequestError
 from ..generation.compiling import COMPILE_CONFIG, QUIET_WHILE_TRACED
 from ..modeling.embeddings import pool, sentence_transformers_pooling
+from .queued_engine import Job, QueuedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def embedding_step(model: PreTrainedModel, input_ids: torch.Tensor, attention_ma
     return torch.nn.functional.normalize(vectors, dim=-1) if normalize else vectors
 
 
-class EmbeddingEngine:
+class EmbeddingEngine(QueuedEngine):
     """Embeds token sequences with an encoder on its compiled graphs (see the module's docstring).
 
     Args:
@@ -67,11 +67,14 @@ class EmbeddingEngine:
     ```
     """
 
+    name = "embedding"
+
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int = 8,
                  max_length: int | None = None) -> None:
+        super().__init__(model)
         positions = getattr(model.config, "max_position_embeddings", None) or DEFAULT_LENGTHS[-1]
         max_length = min(max_length or DEFAULT_LENGTHS[-1], positions)
-        self.model, self.tokenizer = model, tokenizer
+        self.tokenizer = tokenizer
         self.batch_sizes = (*(2**power for power in range(batch_size.bit_length()) if 2**power < batch_size),
                             batch_size)
         self.lengths = (*(length for length in DEFAULT_LENGTHS if length < max_length), max_length)
@@ -79,9 +82,6 @@ class EmbeddingEngine:
         self.pooling, self.normalize = sentence_transformers_pooling(folder) if folder.is_dir() else ("mean", False)
         self.pad_token_id = tokenizer.pad_token_id or 0
         self.step = regions.compile_by_layer(embedding_step, **COMPILE_CONFIG.to_dict())
-        self.ready, self.failure = threading.Event(), None
-        self._queue: collections.deque[tuple[list[list[int]], concurrent.futures.Future]] = collections.deque()
-        self._condition, self._stopping, self.alive, self.busy_slots = threading.Condition(), False, False, 0
 
     @property
     def batch_size(self) -> int:
@@ -95,16 +95,6 @@ class EmbeddingEngine:
     @property
     def max_length(self) -> int:
         return self.lengths[-1]
-
-    @property
-    def waiting(self) -> int:
-        return len(self._queue)
-
-    graphs_unloaded = 0  # (every graph is loaded before the engine serves)
-
-    def device_memory(self) -> int:
-        """The device memory allocated now, in bytes."""
-        return getattr(torch, self.model.device.type).memory_allocated(self.model.device)
 
     def submit(self, inputs: list[list[int]], field: str = "input") -> concurrent.futures.Future:
         """Queues token sequences to embed: a future of their embeddings, float32 `[len(inputs), hidden]`
@@ -120,69 +110,23 @@ class EmbeddingEngine:
                 where = field if len(inputs) == 1 else f"{field}.{index}"
                 raise InvalidRequestError(f"{where}: {len(tokens)} tokens; this server embeds 1 to {self.max_length} "
                                           "tokens per input (--max-length)", where)
-        future = concurrent.futures.Future()
-        with self._condition:
-            if not self.ready.is_set() and not self._stopping and self.failure is None:
-                raise ServerBusyError("the server is starting", starting=True)
-            if self._stopping or not self.alive:
-                raise ServerBusyError("the server is not taking requests now (stopping or failed)")
-            self._queue.append((inputs, future))
-            self._condition.notify()
-        return future
+        return self.enqueue(inputs)
 
-    def start(self, show_progress: bool = True) -> None:
-        """Runs the engine (`run`) on a thread of its own."""
-        self.alive = True
-        threading.Thread(target=self.run, args=(show_progress,), name="neuron-embeddings", daemon=True).start()
+    def device_context(self) -> contextlib.AbstractContextManager:
+        """No gradients; dynamo may keep a graph per (batch bucket, length bucket)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.no_grad())
+        stack.enter_context(torch._dynamo.config.patch(recompile_limit=len(self.batch_sizes) * len(self.lengths) + 8,
+                                                       ignore_logging_functions=QUIET_WHILE_TRACED))
+        return stack
 
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """Waits until the engine serves.
+    def warm_up(self, show_progress: bool) -> None:
+        """Compiles (or loads) the graph of every (batch bucket, length bucket)."""
+        for rows, length in tqdm(list(product(self.batch_sizes, self.lengths)), disable=not show_progress,
+                                 desc="Compiling neuron graphs"):
+            self._embed([[self.pad_token_id]] * rows, length)
 
-        Raises:
-            RuntimeError: the engine failed while starting, or is not ready after `timeout` seconds.
-        """
-        if not self.ready.wait(timeout) or self.failure is not None:
-            raise RuntimeError("the embedding engine is not ready") from self.failure
-
-    def stop(self, timeout: float | None = None) -> None:
-        """Takes no more requests; those queued are embedded before `run` returns."""
-        with self._condition:
-            self._stopping = True
-            self._condition.notify_all()
-
-    def run(self, show_progress: bool = True) -> None:
-        """Compiles (or loads) every graph, sets `ready`, then embeds what is submitted until `stop()`."""
-        self.alive = True
-        try:
-            with torch.no_grad(), torch._dynamo.config.patch(
-                    recompile_limit=len(self.batch_sizes) * len(self.lengths) + 8,
-                    ignore_logging_functions=QUIET_WHILE_TRACED):
-                for rows, length in tqdm(list(product(self.batch_sizes, self.lengths)), disable=not show_progress,
-                                         desc="Compiling neuron graphs"):
-                    self._embed([[self.pad_token_id]] * rows, length)
-                self.ready.set()
-                while (jobs := self._next_jobs()) is not None:
-                    self._serve(jobs)
-        except BaseException as error:
-            self.failure = error
-            logger.exception("the embedding engine failed")
-            for _, future in self._queue:
-                future.set_exception(RuntimeError(f"the embedding engine stopped: {error!r}"))
-        finally:
-            self.alive = False
-            self.ready.set()
-
-    def _next_jobs(self) -> list[tuple[list[list[int]], concurrent.futures.Future]] | None:
-        """Every job queued (waiting for one), or None once stopped and drained."""
-        with self._condition:
-            while not self._queue and not self._stopping:
-                self._condition.wait()
-            if not self._queue:
-                return None
-            jobs, self._queue = list(self._queue), collections.deque()
-            return jobs
-
-    def _serve(self, jobs: list[tuple[list[list[int]], concurrent.futures.Future]]) -> None:
+    def serve(self, jobs: list[Job]) -> None:
         """Embeds the inputs of `jobs`, grouped by length bucket, in batches of the largest batch
         bucket; each job's future gets its rows (or the error of a batch it had rows in)."""
         rows = [(job, index, tokens) for job, (inputs, _) in enumerate(jobs) for index, tokens in enumerate(inputs)]
@@ -207,7 +151,7 @@ class EmbeddingEngine:
                     results[job][index] = vector
         except BaseException as error:  # (the device failed: every job of the turn fails with it)
             for _, future in jobs:
-                future.set_exception(RuntimeError(f"the embedding engine stopped: {error!r}"))
+                future.set_exception(self.stopped(error))
             raise
         finally:
             self.busy_slots = 0

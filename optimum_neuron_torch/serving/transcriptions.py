@@ -15,27 +15,25 @@ compiles its graphs (batch bucket 1) before it serves.
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import io
 import logging
 import math
 import shutil
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 import numpy
 import scipy.io.wavfile
 import scipy.signal
-import torch
 from fastapi import FastAPI, Form, UploadFile
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException
 from transformers import Pipeline
 from transformers.pipelines.audio_utils import ffmpeg_read
 
-from ..errors import DEVICE_OR_JOB_FAILURES, InvalidRequestError, ServerBusyError
+from ..errors import DEVICE_OR_JOB_FAILURES, InvalidRequestError
+from .queued_engine import Job, QueuedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -65,13 +63,15 @@ def read_audio(data: bytes, rate: int) -> numpy.ndarray:
             return ffmpeg_read(data, rate)
         except ValueError as ffmpeg_error:
             raise InvalidRequestError(f"file: ffmpeg cannot read it as audio ({ffmpeg_error})", "file") from None
-    if samples.ndim == 2:  # (channels: their mean)
-        samples = samples.mean(axis=1)
+    # Integers are scaled to [-1, 1] before the channels are averaged: their mean is a float and would
+    # no longer say which integer width it came from.
     if samples.dtype == numpy.uint8:  # (8-bit WAV is unsigned)
         samples = (samples.astype(numpy.float32) - 128) / 128
     elif samples.dtype.kind == "i":
         samples = samples.astype(numpy.float32) / numpy.iinfo(samples.dtype).max
     samples = samples.astype(numpy.float32)
+    if samples.ndim == 2:  # (channels: their mean)
+        samples = samples.mean(axis=1)
     if file_rate != rate:  # (resampled by the ratio of the two rates)
         common = math.gcd(file_rate, rate)
         samples = scipy.signal.resample_poly(samples, rate // common, file_rate // common).astype(numpy.float32)
@@ -89,7 +89,7 @@ class Transcription:
     segments: bool = False
 
 
-class TranscriptionEngine:
+class TranscriptionEngine(QueuedEngine):
     """Transcribes audio with a speech recognition pipeline on the device (see the module's docstring).
 
     Args:
@@ -106,26 +106,16 @@ class TranscriptionEngine:
     ```
     """
 
-    batch_size = 1  # (one file at a time)
-    graphs_unloaded = 0  # (every graph is compiled or loaded before the engine serves)
+    name = "transcription"
+    jobs_per_turn = 1  # (one file at a time, in their order)
 
     def __init__(self, pipeline: Pipeline) -> None:
-        self.pipeline, self.model = pipeline, pipeline.model
+        super().__init__(pipeline.model)
+        self.pipeline = pipeline
         self.rate: int = pipeline.feature_extractor.sampling_rate
         self.generates = self.model.config.is_encoder_decoder  # (Whisper; a CTC model reads its logits)
         positions = getattr(self.model.config, "max_target_positions", MAX_NEW_TOKENS + PROMPT_ROOM)
         self.max_new_tokens = min(MAX_NEW_TOKENS, positions - PROMPT_ROOM)  # (per window)
-        self.ready, self.failure, self.alive, self.busy_slots = threading.Event(), None, False, 0
-        self._queue: collections.deque[tuple[Transcription, concurrent.futures.Future]] = collections.deque()
-        self._condition, self._stopping = threading.Condition(), False
-
-    @property
-    def waiting(self) -> int:
-        return len(self._queue)
-
-    def device_memory(self) -> int:
-        """The device memory allocated now, in bytes."""
-        return getattr(torch, self.model.device.type).memory_allocated(self.model.device)
 
     def submit(self, request: Transcription) -> concurrent.futures.Future:
         """Queues a transcription: a future of the pipeline's output (`text`, and `chunks` with
@@ -134,69 +124,22 @@ class TranscriptionEngine:
         Raises:
             ServerBusyError: the engine is not serving (starting, stopping or failed).
         """
-        future = concurrent.futures.Future()
-        with self._condition:
-            if not self.ready.is_set() and not self._stopping and self.failure is None:
-                raise ServerBusyError("the server is starting", starting=True)
-            if self._stopping or not self.alive:
-                raise ServerBusyError("the server is not taking requests now (stopping or failed)")
-            self._queue.append((request, future))
-            self._condition.notify()
-        return future
+        return self.enqueue(request)
 
-    def start(self, show_progress: bool = True) -> None:
-        """Runs the engine (`run`) on a thread of its own."""
-        self.alive = True
-        threading.Thread(target=self.run, args=(show_progress,), name="neuron-transcriptions", daemon=True).start()
+    def warm_up(self, show_progress: bool) -> None:
+        """Compiles (or loads) Whisper's two graphs of batch 1 (a CTC model runs eagerly)."""
+        if hasattr(self.model, "precompile"):
+            self.model.precompile(batch_sizes=(1,), show_progress=show_progress)
 
-    def wait_ready(self, timeout: float | None = None) -> None:
-        """Waits until the engine serves.
-
-        Raises:
-            RuntimeError: the engine failed while starting, or is not ready after `timeout` seconds.
-        """
-        if not self.ready.wait(timeout) or self.failure is not None:
-            raise RuntimeError("the transcription engine is not ready") from self.failure
-
-    def stop(self, timeout: float | None = None) -> None:
-        """Takes no more requests; those queued are transcribed before `run` returns."""
-        with self._condition:
-            self._stopping = True
-            self._condition.notify_all()
-
-    def run(self, show_progress: bool = True) -> None:
-        """Compiles (or loads) the model's graphs, sets `ready`, then transcribes what is submitted
-        until `stop()`."""
-        self.alive = True
-        try:
-            if hasattr(self.model, "precompile"):  # (compiled generation: Whisper's two graphs of batch 1)
-                self.model.precompile(batch_sizes=(1,), show_progress=show_progress)
-            self.ready.set()
-            while (job := self._next_job()) is not None:
-                self._serve(*job)
-        except BaseException as error:
-            self.failure = error
-            logger.exception("the transcription engine failed")
-            for _, future in self._queue:
-                future.set_exception(RuntimeError(f"the transcription engine stopped: {error!r}"))
-        finally:
-            self.alive = False
-            self.ready.set()
-
-    def _next_job(self) -> tuple[Transcription, concurrent.futures.Future] | None:
-        with self._condition:
-            while not self._queue and not self._stopping:
-                self._condition.wait()
-            return self._queue.popleft() if self._queue else None
-
-    def _serve(self, request: Transcription, future: concurrent.futures.Future) -> None:
+    def serve(self, jobs: list[Job]) -> None:
         """Transcribes one request; its own failure fails it alone, the device's stops the engine."""
+        ((request, future),) = jobs
         self.busy_slots = 1
         try:
             future.set_result(self.pipeline({"raw": request.audio, "sampling_rate": self.rate},
                                             **self._arguments(request)))
         except DEVICE_OR_JOB_FAILURES as error:
-            future.set_exception(RuntimeError(f"the transcription engine stopped: {error!r}"))
+            future.set_exception(self.stopped(error))
             raise
         except Exception as error:
             logger.exception("a transcription failed")
