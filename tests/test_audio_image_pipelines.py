@@ -1,6 +1,6 @@
 """Pipelines of audio and images on the `neuron` device give what Transformers' pipelines give on
 the CPU, on tiny checkpoints with their real feature extractors, image processors and tokenizers;
-Whisper's speech recognition generates on compiled graphs."""
+Whisper's speech recognition and LLaVA's image-text-to-text generate on compiled graphs."""
 
 from __future__ import annotations
 
@@ -44,7 +44,9 @@ def checkpoint(tmp_path_factory):
     ("text-to-audio", "vits", "hello world", {}),
     # (compiling Whisper's two graphs: the fast tier compiles them in test_speech.py)
     pytest.param("automatic-speech-recognition", "whisper", tones(3), WHISPER, marks=pytest.mark.slow),
-    ("image-text-to-text", "llava", CHAT, {"max_new_tokens": 6, "do_sample": False}),
+    # (compiling LLaVA's three graphs: the fast tier compiles them in test_vision_language.py)
+    pytest.param("image-text-to-text", "llava", CHAT, {"max_new_tokens": 6, "do_sample": False},
+                 marks=pytest.mark.slow),
 ])
 def test_task_matches_transformers_on_cpu(checkpoint, task, name, inputs, kwargs):
     folder = checkpoint(name)
@@ -56,8 +58,8 @@ def test_task_matches_transformers_on_cpu(checkpoint, task, name, inputs, kwargs
     assert not [str(warning.message) for warning in caught if "eager" in str(warning.message)]  # (all compiled)
     cpu = transformers.pipeline(task, model=str(folder), device="cpu")
     assert_same_output(output, cpu(inputs, **kwargs) if task != "image-text-to-text" else cpu(text=inputs, **kwargs))
-    # (compiled generation: Whisper's; a vision-language model's generate() is Transformers' own, eager)
-    assert isinstance(on_device.model, NeuronGenerationMixin) == (name == "whisper")
+    # (compiled generation: Whisper's and LLaVA's)
+    assert isinstance(on_device.model, NeuronGenerationMixin) == (name in ("whisper", "llava"))
 
 
 @pytest.mark.slow

@@ -64,3 +64,20 @@ def test_transformers_static_cache_generate_compiles_its_decode_step(llama):
     generated = model.generate(ids.to("neuron"), cache_implementation="static", **settings)
     assert generated.cpu().tolist() == expected.tolist()
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # the decode step was compiled
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_compiled_convolution_gives_the_cpus_output_in_its_layout(mode):
+    """A patch embedding (a vision encoder's convolution), compiled, under no_grad and under
+    inference_mode (what Transformers' pipelines run in): the CPU's values, in the layout the
+    convolution gives eagerly (Inductor's layout optimization, off on the device, would expect
+    channels-last outputs the host's kernel does not give)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    embedding, pixels = torch.nn.Conv2d(3, 32, 8, stride=8), torch.randn(2, 3, 32, 32)
+    with mode():
+        expected = embedding(pixels)
+        compiled = torch.compile(copy.deepcopy(embedding).to("neuron"), backend="neuron", fullgraph=True)
+        output = compiled(pixels.to("neuron"))
+    assert output.stride() == expected.stride()
+    torch.testing.assert_close(output.cpu(), expected)

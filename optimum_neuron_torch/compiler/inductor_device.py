@@ -86,11 +86,15 @@ def _is_host(node: scheduler.BaseSchedulerNode) -> bool:
 
 @contextlib.contextmanager
 def host_memory_codegen() -> Iterator[None]:
-    """While compiling: `neuron` nodes follow the host fusion rules and the `cpp` backend."""
+    """While compiling: `neuron` nodes follow the host fusion rules and the `cpp` backend, and keep
+    the layouts their ops give. (Inductor's layout optimization, which it decides by device type,
+    would turn a convolution's tensors channels-last for a device it does not know as the CPU, and
+    expect outputs of a layout the host's convolution kernel does not give: a compiled vision
+    encoder then failed its own stride checks.)"""
     original = scheduler.BaseSchedulerNode.is_cpu
     scheduler.BaseSchedulerNode.is_cpu = _is_host
     try:
-        with inductor_config.patch({"cuda_backend": "cpp"}):
+        with inductor_config.patch({"cuda_backend": "cpp", "layout_optimization": False}):
             yield
     finally:
         scheduler.BaseSchedulerNode.is_cpu = original

@@ -26,6 +26,13 @@ def call_module(module: torch.nn.Module, **inputs: Any) -> Any:
     return module(**inputs)
 
 
+def image_features(model: torch.nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+    """What gets compiled for the images of a vision-language model: their features, `[images,
+    tokens, hidden]` (its `get_image_features`: the vision tower and the projector)."""
+    features = model.get_image_features(pixel_values=pixel_values, return_dict=True).pooler_output
+    return torch.stack(list(features)) if isinstance(features, (list, tuple)) else features
+
+
 def generation_step(model: torch.nn.Module, sampling: tuple[torch.Tensor, torch.Tensor] | None = None,
                     **inputs: Any) -> tuple[Any, torch.Tensor]:
     """What gets compiled for a step of generation (its masks as intervals, see `interval_masks`):

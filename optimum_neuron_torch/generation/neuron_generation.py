@@ -34,7 +34,8 @@ from .slots import unsupported_by_slots
 from .speech_graphs import SpeechGraphs
 from .split_model import share_random_state, tensor_parallel_mesh, whole_graphs_reason
 from .static_graphs import StaticGraphs
-from .static_plans import speech_window, why_not_compiled
+from .static_plans import image_placeholder, speech_window, why_not_compiled
+from .vision_graphs import VisionLanguageGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,9 @@ class NeuronGeneration:
 
     def __init__(self, model: PreTrainedModel, buckets: Buckets) -> None:
         self._model = weakref.ref(model)
-        self.static = (SpeechGraphs if speech_window(model) is not None else StaticGraphs)(model, buckets)
+        graphs = (SpeechGraphs if speech_window(model) is not None
+                  else VisionLanguageGraphs if image_placeholder(model) is not None else StaticGraphs)
+        self.static = graphs(model, buckets)
         self._engine: GenerationEngine | None = None
         self._engine_keys: set[str] = set()  # compile-cache entries of the engines' graphs, this one's and before
         # Tokens the engine chose on the host, by logits processor that made it (see `engine_calls`).
@@ -82,6 +85,8 @@ class NeuronGeneration:
             return self.static.unservable[0]
         if self.static.encoder_decoder:
             return "an encoder-decoder model"
+        if isinstance(self.static, VisionLanguageGraphs):
+            return "a vision-language model (its slots hold no image inputs yet)"
         try:
             cache = StaticCache(config=self.model.config.get_text_config(decoder=True), max_cache_len=1)
         except Exception as error:  # (a config the static cache cannot read)

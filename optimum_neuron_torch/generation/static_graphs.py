@@ -152,15 +152,17 @@ class StaticGraphs:
         if self._compiled_forward is None:
             self._compiled_forward = regions.compile_by_layer(
                 generation_step, whole_because=whole_graphs_reason(self.model), **COMPILE_CONFIG.to_dict())
+        tokens = inputs.get("input_ids")  # (a decoder's: an encoder-decoder's decoder takes decoder_input_ids)
+        if tokens is None and "inputs_embeds" in inputs:  # (a prefill of embeddings, see `vision_graphs`)
+            tokens = inputs["inputs_embeds"][..., 0]
         if inputs.get("attention_mask") is None and not self.encoder_decoder and not self.states_only:
-            inputs["attention_mask"] = self._causal_mask(inputs["input_ids"], inputs["cache"],
-                                                         inputs.get("position_ids"))
+            inputs["attention_mask"] = self._causal_mask(tokens, inputs["cache"], inputs.get("position_ids"))
         if "attention_mask" in inputs:
             inputs["attention_mask"] = for_graph(inputs["attention_mask"], self.model.device)
         inputs = {name: dense(value) for name, value in inputs.items()}
-        sampled = self.sampling is not None and inputs["input_ids"].shape[-1] == 1  # (decoders' decode steps)
+        sampled = self.sampling is not None and tokens.shape[-1] == 1  # (decoders' decode steps)
         if sampled:  # (the host draws the uniform numbers: from torch's generator, as multinomial would)
-            rows = inputs["input_ids"].shape[0]
+            rows = tokens.shape[0]
             if self._sampling_rows is None:
                 self._sampling_rows = self.sampling.rows(rows).to(self.model.device)
             inputs["sampling"] = (self._sampling_rows, torch.rand(rows).to(self.model.device))
@@ -194,9 +196,9 @@ class StaticGraphs:
 
     def _causal_mask(self, input_ids: torch.Tensor, cache: StaticCache, position_ids: torch.Tensor | None) -> Any:
         """The masks Transformers' generate() builds for a compiled forward, for a sequence without
-        padding. The 2D mask covers the cache (its context bucket): its "future" slots, masked by
-        causality anyway, are ones, which keeps Transformers from skipping the mask in favour of
-        SDPA's `is_causal`."""
+        padding (`input_ids`: its tokens, or a tensor of their shape). The 2D mask covers the cache
+        (its context bucket): its "future" slots, masked by causality anyway, are ones, which keeps
+        Transformers from skipping the mask in favour of SDPA's `is_causal`."""
         model = self.model
         make_masks = getattr(model, "create_masks_for_generate", create_masks_for_generate)
         batch, length = input_ids.shape

@@ -102,6 +102,24 @@ def speech_window(model: PreTrainedModel) -> int | None:
     return model.config.max_source_positions if isinstance(model, WhisperGenerationMixin) else None
 
 
+def image_placeholder(model: PreTrainedModel) -> int | None:
+    """The token that holds an image's place in the prompt of a vision-language model that merges
+    its image features into its prompt's embeddings before its language model (`get_image_features`,
+    `model.language_model`: LLaVA and the models built like it), or None for another model, and for
+    the vision-language models whose language model needs more than the embeddings: image token
+    types (Gemma 3, PaliGemma: images attend both ways) or positions from the image grid (Qwen-VL)."""
+    config, inner = model.config, getattr(model, "model", None)
+    token = getattr(config, "image_token_id", None)
+    if token is None:
+        token = getattr(config, "image_token_index", None)
+    if token is None or not hasattr(model, "get_image_features") or not hasattr(inner, "language_model"):
+        return None
+    if hasattr(inner, "get_rope_index") or {"token_type_ids", "mm_token_type_ids"} & set(
+            inspect.signature(model.forward).parameters):
+        return None
+    return token
+
+
 def plan_speech(buckets: Buckets, features: torch.Tensor | None, config: GenerationConfig,
                 kwargs: dict[str, Any]) -> tuple[int, int] | str:
     """The rows of a speech encoder-decoder's generate() call (see `speech_window`) and the batch

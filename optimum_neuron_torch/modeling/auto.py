@@ -422,8 +422,10 @@ class NeuronAutoModelForImageClassification(_NeuronAutoMixin, AutoModelForImageC
 
 
 class NeuronAutoModelForImageTextToText(_NeuronAutoMixin, AutoModelForImageTextToText):
-    """Vision-language models that answer in text (LLaVA, Qwen2-VL, Gemma 3, Idefics, ...); their
-    `generate()` is Transformers' own, run eagerly on the device.
+    """Vision-language models that answer in text (LLaVA, Qwen2-VL, Gemma 3, Idefics, ...), with
+    compiled generation for LLaVA and the models built like it: their images are encoded by a graph
+    compiled once per batch bucket and their prompts run on a text model's graphs (see
+    `optimum_neuron_torch.generation.vision_graphs`); the others generate eagerly on the device.
 
     Not instantiated: `from_pretrained` loads the checkpoint's model straight onto the `neuron`
     device and returns the plain Transformers model; its docstring lists the arguments (Args),
@@ -439,6 +441,8 @@ class NeuronAutoModelForImageTextToText(_NeuronAutoMixin, AutoModelForImageTextT
     >>> processor = AutoProcessor.from_pretrained("llava-hf/llava-interleave-qwen-0.5b-hf")
     ```
     """
+
+    compiled_generation = True
 
 
 HEAD_CLASSES = (
