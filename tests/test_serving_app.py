@@ -312,6 +312,9 @@ def test_bad_requests_and_busy_failed_or_stopped_engines_get_openai_error_bodies
         ("/v1/completions", {"model": NAME, "prompt": [1, VOCAB]}, "prompt", "token ids must be in [0, 128), the"),
         ("/v1/completions", {"model": NAME, "prompt": [-1]}, "prompt", "token ids must be in [0, 128), the"),
         ("/v1/completions", {"model": NAME, "prompt": [1, 2], "max_tokens": 63}, "max_tokens", "max_tokens is 63"),
+        ("/v1/chat/completions", chat(messages=[{"role": "user", "content": [
+            {"type": "text", "text": "what?"}, {"type": "image_url", "image_url": {"url": "data:image/png;"}}]}]),
+         "messages.0.content.1", "messages.0.content.1: this model reads no images"),
     ]:
         response = answer(data, path=path)
         error = response.json()["error"]

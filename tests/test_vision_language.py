@@ -18,12 +18,17 @@ from tiny_models import save_audio_and_image_checkpoint
 
 
 def image(height: int, width: int, seed: int) -> PIL.Image.Image:
-    return PIL.Image.fromarray(numpy.random.RandomState(seed).randint(0, 256, (height, width, 3), dtype=numpy.uint8))
+    """A `height` x `width` image of 4 x 4 random blocks (which resizing keeps: pixel noise averages out)."""
+    blocks = numpy.random.RandomState(seed).randint(0, 256, (4, 4, 3), dtype=numpy.uint8)
+    return PIL.Image.fromarray(blocks).resize((width, height), PIL.Image.NEAREST)
 
 
-def prompt(processor, images: int, question: str) -> str:
-    """The chat template's prompt of a user message with `images` images and `question`."""
-    content = [{"type": "image"}] * images + [{"type": "text", "text": question}]
+def prompt(processor, images: int, question: str, question_first: bool = False) -> str:
+    """The chat template's prompt of a user message with `images` images and `question` (after them,
+    or before with `question_first`)."""
+    content = [{"type": "image"}] * images
+    content = [{"type": "text", "text": question}, *content] if question_first else [
+        *content, {"type": "text", "text": question}]
     return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
 
 
@@ -55,9 +60,9 @@ def test_llava_generates_compiled_with_the_cpus_tokens(llava, fresh_dynamo):
     cpu, model, processor = llava
     model.precompile(batch_sizes=(1,), prompt_buckets=(64,), max_length=96, show_progress=False)
     plan = model.neuron_generation.graph_plan()
-    assert describe_plan(plan) == "3 graphs: 1 prefill, 1 decode, 1 image encoder"
-    assert graphs() == 3
-    assert model.neuron_generation.engine_gap.startswith("a vision-language model")
+    assert describe_plan(plan) == "4 graphs: 1 prefill, 1 chunk, 1 decode, 1 image encoder"
+    assert graphs() == 4
+    assert model.neuron_generation.engine_gap is None  # (the generation engine runs its calls)
     inputs = processor(images=[image(40, 50, 0)], text=[prompt(processor, 1, "what is it?")], return_tensors="pt")
     clear_counts()
     same_tokens(cpu, model, inputs, max_new_tokens=8)
@@ -70,15 +75,23 @@ def test_llava_generates_compiled_with_the_cpus_tokens(llava, fresh_dynamo):
 
 
 @pytest.mark.slow
-def test_llava_generates_images_of_any_number_and_size_without_compiling_again(llava, fresh_dynamo):
-    """After the warm-up of batch buckets 1 and 3 (prompt buckets 64 and 128): images of several
-    sizes, one, two and four images in a prompt (four: more than the largest batch bucket encodes
-    at once), two prompts of different lengths (left-padded; filled to the bucket of 3 with a copy
-    of the first, its image with it), a prompt without an image: the CPU's tokens, and no graph
-    compiled after the warm-up."""
+@pytest.mark.parametrize("path", ["engine", "static graphs"])
+def test_llava_generates_images_of_any_number_and_size_without_compiling_again(llava, path, fresh_dynamo):
+    """After the warm-up of batch buckets 1 and 3 (prompt buckets 64 and 128), on the generation
+    engine and on the static graphs (the path of a model whose engine failed): images of several
+    sizes, one, two, four and seven images in a prompt (more than the largest batch bucket encodes
+    at once; seven: a prompt longer than the largest prompt bucket, prefilled in two pieces, images
+    on both sides of the cut), two prompts of different lengths (left-padded; on the static graphs
+    filled to the bucket of 3 with a copy of the first, its image with it), a prompt without an
+    image: the CPU's tokens, and no graph compiled after the warm-up."""
     cpu, model, processor = llava
-    model.precompile(batch_sizes=(1, 3), prompt_buckets=(64, 128), max_length=160, show_progress=False)
-    assert describe_plan(model.neuron_generation.graph_plan()) == "8 graphs: 4 prefill, 2 decode, 2 image encoder"
+    if path == "static graphs":
+        model = ont.NeuronAutoModelForImageTextToText.from_pretrained(model.name_or_path)
+        model.neuron_generation.engine_gap = "(this test's)"
+    model.precompile(batch_sizes=(1, 3), prompt_buckets=(64, 128), max_length=288, show_progress=False)
+    assert describe_plan(model.neuron_generation.graph_plan()) == (
+        "7 graphs: 2 prefill, 1 chunk, 2 decode, 2 image encoder" if path == "engine"
+        else "8 graphs: 4 prefill, 2 decode, 2 image encoder")
     clear_counts()
     processor.tokenizer.padding_side, processor.tokenizer.pad_token = "left", processor.tokenizer.eos_token
     calls = [
@@ -88,6 +101,10 @@ def test_llava_generates_images_of_any_number_and_size_without_compiling_again(l
          [prompt(processor, 4, "and these four?")]),
         ([image(40, 50, 7), image(50, 40, 8)], [prompt(processor, 1, "a"), prompt(processor, 1, "a longer question")]),
         ([image(40, 50, 9)], [prompt(processor, 1, "one image"), prompt(processor, 0, "no image at all")]),
+        # (longer than the largest prompt bucket: prefilled in two pieces, its images on both sides of the cut)
+        ([image(30 + 5 * index, 40, 11 + index) for index in range(7)],
+         [prompt(processor, 7, "count the ones that look like the sea, then name them all, one by one",
+                 question_first=True)]),
     ]
     for images, texts in calls:
         inputs = processor(images=images, text=texts, return_tensors="pt", padding=True)

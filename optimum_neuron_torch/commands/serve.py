@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoProcessor, AutoTokenizer, PreTrainedModel
 from transformers.models.auto.modeling_auto import (
     MODEL_FOR_CTC_MAPPING_NAMES,
     MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
@@ -19,6 +19,7 @@ from transformers.models.auto.modeling_auto import (
 from .. import settings
 from ..errors import ConfigurationError, InvalidRequestError, MissingDependencyError
 from ..generation.buckets import Buckets
+from ..generation.static_plans import image_placeholder
 from ..loading import DEFAULT_MODEL, default_model_path
 from ..modeling import NeuronAutoModel
 from ..pipelines import pipeline
@@ -95,6 +96,8 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int 
         speculation = Speculation(speculative, draft)
     model = load_generative_model(folder, tp_size, dtype)
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    # (a vision-language model's processor makes its chats' prompts, images included)
+    processor = AutoProcessor.from_pretrained(folder) if image_placeholder(model) is not None else None
     buckets = serving_buckets(model, batch_size=batch_size, max_length=max_length, prompt_buckets=prompt_buckets)
     engine = GenerationEngine(model, buckets, tokenizer, prefill_budget=prefill_budget,
                               broadcast=StepBroadcast() if tp_size > 1 else None, scoring=prompt_logprobs,
@@ -117,7 +120,8 @@ def serve(model_id: str | None = None, *, host: str, port: int, batch_size: int 
         return
     run_server(engine, model_id or DEFAULT_MODEL,  # (what clients call the default model)
                host=host, port=port, drain_seconds=DRAIN_SECONDS,
-               api_key=api_key if api_key is not None else settings.serving_api_key(), tool_parser=tool_call_parser)
+               api_key=api_key if api_key is not None else settings.serving_api_key(), tool_parser=tool_call_parser,
+               processor=processor)
 
 
 def default_task(model_id: str | None) -> str:

@@ -20,9 +20,11 @@ largest batch bucket, over one `SlotCache`. Each turn of its loop:
    `max_tokens`, or its client gone) leaves, and its slot is free for the next turn.
 
 So the graphs are those of `buckets.engine_plan` (a prefill per prompt bucket, chunks of long prompts,
-greedy and sampling decode steps per batch and context bucket). The server compiles all of them
-before its first request (`warm_up()`), so no mix of requests compiles anything; those a previous
-run left whole in the compile cache it loads when idle, or at the first step that needs one;
+greedy and sampling decode steps per batch and context bucket; a vision-language model's prefills
+read the prompt's embeddings, its images' features in place, and it adds an image encoder per batch
+bucket, see `images`). The server compiles all of them before its first request (`warm_up()`), so
+no mix of requests compiles anything; those a previous run left whole in the compile cache it loads
+when idle, or at the first step that needs one;
 `generate()` compiles each the first time it meets it, unless `precompile()` did. Every row of a
 step is computed as if alone (its positions, mask and random numbers): a request's tokens do not
 depend on the others.
@@ -54,7 +56,7 @@ from .requests import Event, Request, SamplingSettings
 from .slots import SlotCache, SlotSteps, dummy_step
 from .speculation import Speculation
 from .split_model import StepBroadcast
-from .text import TextStream
+from .static_plans import image_placeholder
 
 logger = logging.getLogger(__name__)
 
@@ -102,15 +104,16 @@ class GenerationEngine:
                  *, prefill_budget: int | None = None, queue_size: int | None = None,
                  broadcast: StepBroadcast | None = None, scoring: bool = False, prefix_caching: bool = False,
                  speculation: Speculation | None = None) -> None:
-        if (prefix_caching or speculation) and broadcast is not None:
+        self.image_token = image_placeholder(model)  # (a vision-language model's, see `images`)
+        if (prefix_caching or speculation) and (broadcast is not None or self.image_token is not None):
             raise ConfigurationError("prefix caching and speculative decoding are not available for a model split "
-                                     "between ranks yet")
+                                     "between ranks or a vision-language model yet")
         self.buckets, self.scoring = buckets, scoring
         self._model, self.tokenizer = weakref.ref(model), tokenizer  # (a weak reference: the model holds its engine)
         slots = buckets.batch_sizes[-1]
         self.device = SlotSteps(model, buckets, broadcast)  # (the slots' cache and the compiled step)
         self.queue_size = queue_size if queue_size is not None else DEFAULT_QUEUE_SIZE_PER_SLOT * slots
-        self.prefill_budget = prefill_budget or self.chunk
+        self.prefill_budget = prefill_budget or buckets.prompt_buckets[-1]  # (a chunk of a long prompt)
         eos = model.generation_config.eos_token_id
         self.eos_token_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.pad_token_id = pad_token_id(model.generation_config, model.get_input_embeddings().num_embeddings)
@@ -147,11 +150,6 @@ class GenerationEngine:
         return len(self._slots)
 
     @property
-    def chunk(self) -> int:
-        """The length of each piece of a prompt longer than every prompt bucket (the largest bucket)."""
-        return self.buckets.prompt_buckets[-1]
-
-    @property
     def busy_slots(self) -> int:
         return sum(request is not None for request in self._slots)
 
@@ -183,7 +181,7 @@ class GenerationEngine:
             InvalidRequestError: what `Request.check` refuses (names the field).
             ServerBusyError: the queue is full, or the engine is not serving (starting, stopping, or failed).
         """
-        request.check(self.buckets.max_length, prompt_field, self.scoring)
+        request.check(self.buckets.max_length, prompt_field, self.scoring, self.device.images)
         with self._condition:
             if not (self._stopping or self.ready.is_set() or self.failure):  # (GET /health says when it is ready)
                 raise ServerBusyError("the server is starting", starting=True)
@@ -218,7 +216,7 @@ class GenerationEngine:
                 running then end with an error event); other failures end their requests only.
         """
         for request in requests:
-            request.check(self.buckets.max_length, "input_ids", self.scoring)
+            request.check(self.buckets.max_length, "input_ids", self.scoring, self.device.images)
             request._call = requests
         with self._condition:
             self._waiting.extend(requests)
@@ -337,6 +335,8 @@ class GenerationEngine:
                     self._unloaded.append(step)
             if self.speculation is not None:
                 self.speculation.drafter.warm_up()
+            if self.device.images is not None:
+                self.device.images.precompile(self.buckets.batch_sizes, show_progress)
 
     def _turn(self, wait: bool = True) -> bool:
         """One turn of the loop (see the module's docstring), after waiting for work if `wait`; False
@@ -416,17 +416,15 @@ class GenerationEngine:
     def _run_piece(self, request: Request, start: int, length: int, context: int) -> None:
         """Writes one piece of `request`'s prompt into its slot; the last piece gives its first token."""
         if request._generator is None:  # (its first piece)
-            request._text = TextStream(self.tokenizer, request.stop) if self.tokenizer is not None else None
-            seed = request.sampling.seed
-            request._generator = torch.Generator().manual_seed(
-                seed if seed is not None else int(torch.randint(2**62, ())))
+            request.begin(self.tokenizer, self.device.images, self.buckets.batch_sizes)
         end = min(start + length, len(request.prompt))
         ids = request.prompt[start:end] + [self.pad_token_id] * (start + length - end)
         final = end == len(request.prompt)  # (only its token is taken: only it draws a random number)
         tokens, logits, scores = self.device.forward(
             [ids], [list(range(start, start + length))], end - 1 - start, context,
             [request.next_uniform() if final else 0.0], [request.row(taken=final and request.choose is None)],
-            request._slot, request.targets(start, length, self.pad_token_id))
+            request._slot, request.targets(start, length, self.pad_token_id), False,
+            request.image_features(start, end, self.image_token))
         if scores:
             request.score(start, scores)
         request._prefilled = end

@@ -55,6 +55,7 @@ from .engine import GenerationEngine
 from .padding import default_attention_mask
 from .requests import Event, Request, SamplingSettings
 from .sampling import SamplingParameters
+from .static_plans import image_placeholder
 
 # The arguments of generate() besides the generation config's fields that a call on the engine takes.
 ENGINE_KWARGS = {"attention_mask", "streamer", "tokenizer", "stopping_criteria", "logits_processor", "use_cache"}
@@ -83,6 +84,8 @@ class EngineCall:
         do_sample (`bool`): whether the host draws the tokens it chooses (else takes the argmax).
         returned (`tuple[bool, bool]`, *optional*): with `return_dict_in_generate`, whether the output
             holds each step's (scores, logits); those need `host_processors`.
+        images (`list[torch.Tensor | None]`, *optional*): a vision-language model's call: each row's
+            pixel values (None: a row without an image).
     """
 
     input_ids: torch.Tensor
@@ -96,6 +99,7 @@ class EngineCall:
     host_processors: list[LogitsProcessorList] | None = None
     do_sample: bool = False
     returned: tuple[bool, bool] | None = None
+    images: list[torch.Tensor | None] | None = None
     host_tokens: int = 0  # tokens chosen on the host so far
     failures: list[BaseException] = field(default_factory=list, repr=False)  # the caller's code's (see `_failed`)
     _requests: list[Request] = field(default_factory=list, repr=False)
@@ -125,9 +129,11 @@ class EngineCall:
         eos = set() if self._in_step else self.eos_token_ids
         self._steps = [([], []) for _ in self.prompts]
         self._ends = [None] * len(self.prompts)
+        images = self.images or [None] * len(self.prompts)
         self._requests = requests = [Request(prompt, self.max_new_tokens, sampling, [], lambda event: None,
-                                             eos_token_ids=eos)
-                                     for prompt, sampling in zip(self.prompts, self.sampling, strict=True)]
+                                             eos_token_ids=eos, images=pixels)
+                                     for prompt, sampling, pixels in zip(self.prompts, self.sampling, images,
+                                                                         strict=True)]
         for row, request in enumerate(requests):  # (events come from the one thread running the engine)
             request.on_event = lambda event, row=row, request=request: self._on_event(row, request, event)
             if self.host_processors is not None:
@@ -240,7 +246,8 @@ def plan(model: PreTrainedModel, buckets: Buckets, input_ids: torch.Tensor | Non
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
     if config.disable_compile:
         return "disable_compile=True"
-    others = sorted(name for name, value in model_kwargs.items() if name not in ENGINE_KWARGS and value is not None)
+    takes = ENGINE_KWARGS | ({"pixel_values"} if image_placeholder(model) is not None else set())
+    others = sorted(name for name, value in model_kwargs.items() if name not in takes and value is not None)
     if others:
         return f"the arguments {', '.join(others)}"
     mode = config.get_generation_mode()
@@ -260,6 +267,10 @@ def plan(model: PreTrainedModel, buckets: Buckets, input_ids: torch.Tensor | Non
     mask = mask.cpu()
     if mask.shape != input_ids.shape or bool((mask[:, 1:] < mask[:, :-1]).any()) or bool((mask[:, -1] == 0).any()):
         return "an attention mask other than left padding"
+    images = _images_of_rows(model, input_ids.cpu(), model_kwargs.get("pixel_values"))
+    if isinstance(images, str):
+        return images
+    images = images and [image for image in images for _ in range(repeats)]
     input_ids = input_ids.cpu().repeat_interleave(repeats, dim=0)
     mask = mask.repeat_interleave(repeats, dim=0)
     vocab = model.get_input_embeddings().num_embeddings
@@ -299,7 +310,27 @@ def plan(model: PreTrainedModel, buckets: Buckets, input_ids: torch.Tensor | Non
         seed = int(torch.randint(2**62, ())) if config.do_sample else None
         rows.append(SamplingSettings(**{**settings, "seed": seed}))
     return EngineCall(input_ids, prompts, new_tokens, rows, eos_ids, pad_id, host_criteria,
-                      model_kwargs.get("streamer"), processors if on_host else None, bool(config.do_sample), returned)
+                      model_kwargs.get("streamer"), processors if on_host else None, bool(config.do_sample), returned,
+                      images)
+
+
+def _images_of_rows(model: PreTrainedModel, input_ids: torch.Tensor, pixel_values: torch.Tensor | None
+                    ) -> list[torch.Tensor | None] | str | None:
+    """Each row's images (its pixel values, None for a row without one) of a vision-language model's
+    call, given in the order of their placeholders, as its processor gives them; or why the rows'
+    placeholders do not split the images (images of different feature counts)."""
+    if pixel_values is None:
+        return None
+    placeholders = (input_ids == image_placeholder(model)).sum(dim=1).tolist()
+    per_image, left = divmod(sum(placeholders), pixel_values.shape[0])
+    if left or per_image == 0 or any(count % per_image for count in placeholders):
+        return (f"{pixel_values.shape[0]} images for {sum(placeholders)} image placeholders, which do not split "
+                "into images of one size")
+    images, start = [], 0
+    for count in placeholders:
+        images.append(pixel_values[start:start + count // per_image].cpu() if count else None)
+        start += count // per_image
+    return images
 
 
 def host_processors(model: PreTrainedModel, generation_config: GenerationConfig | None = None) -> list[str]:

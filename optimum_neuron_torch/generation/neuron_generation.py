@@ -85,8 +85,6 @@ class NeuronGeneration:
             return self.static.unservable[0]
         if self.static.encoder_decoder:
             return "an encoder-decoder model"
-        if isinstance(self.static, VisionLanguageGraphs):
-            return "a vision-language model (its slots hold no image inputs yet)"
         try:
             cache = StaticCache(config=self.model.config.get_text_config(decoder=True), max_cache_len=1)
         except Exception as error:  # (a config the static cache cannot read)
@@ -170,7 +168,10 @@ class NeuronGeneration:
         if self.engine_gap is not None:
             return self.static.graph_plan(buckets, sampling)
         sampling = self.model.generation_config.do_sample if sampling is None else sampling
-        return engine_plan(buckets or self.buckets, sampling=sampling)
+        buckets = buckets or self.buckets
+        images = self.static.images.graph_plan(buckets.batch_sizes) if isinstance(self.static, VisionLanguageGraphs) \
+            else []  # (the engine's image encoder, see `images`)
+        return [*engine_plan(buckets, sampling=sampling), *images]
 
     def compile_bill(self, buckets: Buckets | None = None, sampling: bool | None = None) -> list[str]:
         """`graph_plan`, in lines for a person (see `buckets.compile_bill`)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -107,6 +108,8 @@ class Request:
             most likely ones (at most `MAX_LOGPROBS`), computed by the engine's scoring graphs (see
             `buckets.engine_plan`). Default: none.
         adapter (`int`): the slot of the LoRA adapter it runs with (set by `AdapterSlots.use`); 0: none.
+        images (`torch.Tensor`, *optional*): a vision-language model's pixel values of the images
+            whose placeholders the prompt holds, in their order (its processor's `pixel_values`).
     """
 
     prompt: list[int]
@@ -119,6 +122,7 @@ class Request:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     adapter: int = 0
+    images: torch.Tensor | None = field(default=None, repr=False)
     cancelled: bool = False  # ended: done, failed, or its caller gone
     tokens: list[int] = field(default_factory=list)  # generated so far
     error: BaseException | None = field(default=None, repr=False)  # what failed it, if anything did
@@ -127,19 +131,26 @@ class Request:
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
     _slot: int | None = field(default=None, init=False, repr=False)
     _prefilled: int = field(default=0, init=False, repr=False)  # prompt tokens in the cache so far
+    _features: torch.Tensor | None = field(default=None, init=False, repr=False)  # its images', on the device
     _call: list[Request] = field(default_factory=list, init=False, repr=False)  # its `generate()` call's requests
     _logprobs: list[TokenLogprob] = field(default_factory=list, init=False, repr=False)  # (for the next event)
     _prompt_logprobs: list[TokenLogprob] = field(default_factory=list, init=False, repr=False)
 
-    def check(self, max_length: int, prompt_field: str = "prompt", scoring: bool = False) -> None:
+    def check(self, max_length: int, prompt_field: str = "prompt", scoring: bool = False, images: Any = None
+              ) -> None:
         """Checks the prompt and `max_tokens` against a cache of `max_length` positions per slot, and
-        sets `max_tokens` if None (to the room the cache leaves after the prompt).
+        sets `max_tokens` if None (to the room the cache leaves after the prompt); the images against
+        the prompt's placeholders (`images`: a vision-language model's `images.ImageEncoder`, which
+        knows its placeholder token and the features per image; None for a model of text).
 
         Raises:
             InvalidRequestError: an empty prompt, a prompt with no room for an answer, `max_tokens`
-                beyond what the cache holds after the prompt (names the field), or `prompt_logprobs`
-                without `scoring` (an engine that has no graph to score prompts with).
+                beyond what the cache holds after the prompt (names the field), `prompt_logprobs`
+                without `scoring` (an engine that has no graph to score prompts with), images for a
+                model of text, or image placeholders that are not those of the images.
         """
+        if self.images is not None or images is not None:
+            self._check_images(images, prompt_field)
         if self.prompt_logprobs is not None and not scoring:
             raise InvalidRequestError("scoring the prompt needs the graphs that score it: start the server with "
                                       "--prompt-logprobs (an engine with scoring=True)", "prompt_logprobs")
@@ -160,6 +171,35 @@ class Request:
             raise InvalidRequestError(f"max_tokens is {self.max_tokens}, but the prompt's {len(prompt)} tokens leave "
                                       f"room for {room} in this server's {max_length} positions (--max-length)",
                                       "max_tokens")
+
+    def _check_images(self, encoder: Any, prompt_field: str) -> None:
+        if encoder is None:
+            raise InvalidRequestError("this model reads no images", prompt_field)
+        images = 0 if self.images is None else self.images.shape[0]
+        placeholders, expected = self.prompt.count(encoder.image_token), images * encoder.tokens_per_image
+        if placeholders != expected and (encoder.tokens_per_image or not images):  # (0: not known yet)
+            raise InvalidRequestError(f"the prompt holds {placeholders} image placeholder tokens where its {images} "
+                                      f"image(s) need {expected} ({encoder.tokens_per_image} each): let the model's "
+                                      "processor expand each image's placeholder", prompt_field)
+
+    def image_features(self, start: int, end: int, image_token: int | None) -> torch.Tensor | None:
+        """The features of the image placeholders among `prompt[start:end]` (None: none there)."""
+        inside = self.prompt[start:end].count(image_token) if self._features is not None else 0
+        if not inside:
+            return None
+        before = self.prompt[:start].count(image_token)
+        return self._features[before:before + inside]
+
+    def begin(self, tokenizer: Any, images: Any, batch_sizes: tuple[int, ...]) -> None:
+        """Readies its text stream (with `tokenizer`, if any), its random numbers (seeded by
+        `sampling.seed`, else at random) and its images' features (by `images`, a vision-language
+        model's `images.ImageEncoder`, on the engine's `batch_sizes`), as its first prompt piece runs."""
+        self._text = TextStream(tokenizer, self.stop) if tokenizer is not None else None
+        seed = self.sampling.seed
+        self._generator = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(2**62, ())))
+        if self.images is not None:
+            self._features = images.encode(self.images, batch_sizes)
+            self._check_images(images, "input_ids")  # (the features per image known now, if not before)
 
     def row(self, taken: bool = True) -> list[float]:
         """Its row of the step's sampling tensor: its `sampling`'s, and its `adapter`."""

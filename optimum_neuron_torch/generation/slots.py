@@ -47,9 +47,11 @@ from ..compiler.dynamo_backend import recording_cache_keys
 from .attention import packed_attention, takes_boolean_mask
 from .buckets import Buckets, PlannedGraph, engine_plan
 from .compiling import COMPILE_CONFIG, QUIET_WHILE_TRACED
+from .images import ImageEncoder, prompt_embeddings
 from .requests import ADAPTER, MAX_LOGPROBS, NO_PENALTIES, PENALTIES, TAKEN, WARPERS, SamplingSettings
 from .sampling import penalize, sample
 from .split_model import StepBroadcast, embeddings_without_padding_index, tensor_parallel_mesh, whole_graphs_reason
+from .static_plans import image_placeholder
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +230,8 @@ def head_shapes(model: PreTrainedModel, config: Any, layers: list[Any]) -> list[
 
 def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor, positions: torch.Tensor,
               last: torch.Tensor, sampling: torch.Tensor, uniform: torch.Tensor, sampled: bool,
-              targets: torch.Tensor | None = None, verify: bool = False) -> tuple[torch.Tensor, ...]:
+              targets: torch.Tensor | None = None, verify: bool = False,
+              inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """What gets compiled: one step of the slots in `cache.writes` (a prefill or a decode step, see
     the module's docstring), returning the token chosen for each row, and the logits it was chosen
     from (before the penalties), which stay on the device unless the host chooses a row's token.
@@ -251,6 +254,9 @@ def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor,
             position (what the model is scored on predicting there).
         verify (`bool`): for a piece of speculative decoding (its own graphs, see `speculation`): the
             greedy token after every position instead (`sampling` and `uniform` unread).
+        inputs_embeds (`torch.Tensor`, *optional*): `[rows, tokens, hidden]`, what the model reads
+            instead of `input_ids` (a vision-language model's prefill: its images' features in their
+            places, see `images.prompt_embeddings`); `input_ids` still tell the penalties the tokens.
 
     Returns:
         `tuple[torch.Tensor, ...]`: the tokens, int64 `[rows]`, and the logits of the position that
@@ -268,17 +274,17 @@ def slot_step(model: PreTrainedModel, cache: SlotCache, input_ids: torch.Tensor,
         mask = {"full_attention": mask, "sliding_attention": sliding} if cache.mixed_layers else sliding
     else:
         mask = _as_attention_takes(mask, model)
+    given = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
     if verify:  # (the greedy token after each position, as a decode step without penalties takes it)
-        logits = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache,
+        logits = model(**given, position_ids=positions, attention_mask=mask, cache=cache,
                        use_cache=True).logits[0]
         return logits.argmax(-1), logits
     if targets is None:
-        logits = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
+        logits = model(**given, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
                        logits_to_keep=last).logits[:, -1]
         scores = ()
     else:  # (the logits of every position: the head reads them all)
-        every = model(input_ids=input_ids, position_ids=positions, attention_mask=mask, cache=cache,
-                      use_cache=True).logits
+        every = model(**given, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True).logits
         logits = every.index_select(1, last)[:, -1]
         logprobs = every[0].float().log_softmax(-1)
         top = logprobs.topk(MAX_LOGPROBS)
@@ -337,7 +343,11 @@ class SlotSteps:
         self.step = regions.compile_by_layer(slot_step, whole_because=whole_graphs_reason(model),
                                              **COMPILE_CONFIG.to_dict())
         self.broadcast = broadcast
-        self.graphs = len(engine_plan(buckets, scoring=True, prefix_caching=True))
+        # A vision-language model's images (see `images`): every prefill then reads embeddings.
+        self.images = ImageEncoder(model) if image_placeholder(model) is not None else None
+        if self.images is not None and broadcast is not None:
+            raise errors.ConfigurationError("a vision-language model cannot be split between ranks yet")
+        self.graphs = len(engine_plan(buckets, scoring=True, prefix_caching=True)) + len(buckets.batch_sizes)
         self.cache_keys: set[str] = set()  # the compile-cache entries of the graphs run (saved with the model)
         self.adapters: Any = None  # the LoRA adapters attached (`lora_adapters.AdapterSlots`), if any
         self.lock = threading.Lock()  # held by each step (what changes the adapters' weights waits for it)
@@ -363,24 +373,25 @@ class SlotSteps:
 
     def forward(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
                 uniform: list[float], sampling: list[list[float]], slot: int | None = None,
-                targets: list[list[int]] | None = None, verify: bool = False
+                targets: list[list[int]] | None = None, verify: bool = False, images: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         """One step (a prefill piece into `slot`, or a decode step of the first slots, see `slot_step`),
         sent to the other ranks first if split: the chosen tokens, on the host, the logits they
         were chosen from, on the device, and with `targets` the scores of the piece's positions, on
-        the host (else an empty tuple); with `verify`, the greedy token of each position (`slot_step`)."""
+        the host (else an empty tuple); with `verify`, the greedy token of each position (`slot_step`).
+        `images`: the features of the piece's image placeholders (a vision-language model's)."""
         if self.broadcast is not None:
             self.broadcast.send((ids, positions, last, context, uniform, sampling, slot, targets, verify))
-        return self.run(ids, positions, last, context, uniform, sampling, slot, targets, verify)
+        return self.run(ids, positions, last, context, uniform, sampling, slot, targets, verify, images)
 
     def run(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
             uniform: list[float], sampling: list[list[float]], slot: int | None,
-            targets: list[list[int]] | None = None, verify: bool = False
+            targets: list[list[int]] | None = None, verify: bool = False, images: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
         """One step on this rank. A prefill always runs the graph that can sample (one row: it costs
         little); a decode step, only if a row samples or has penalties."""
         with self.lock, self._inputs(ids, positions, last, context, uniform, sampling, slot, targets,
-                                     verify) as inputs:
+                                     verify, images) as inputs:
             tokens, logits, *scores = self.step(self.model, self.cache, *inputs)
             return tokens.cpu(), logits, tuple(score.cpu() for score in scores)
 
@@ -415,17 +426,21 @@ class SlotSteps:
               uniform: list[float], sampling: list[list[float]], slot: int | None,
               targets: list[list[int]] | None = None, verify: bool = False) -> set[str] | None:
         """The compile-cache entries the step `run` takes with these inputs, when it would trace and
-        compile nothing, else None (see `PrecompiledFunction.saved`); runs nothing."""
-        with self._inputs(ids, positions, last, context, uniform, sampling, slot, targets, verify) as inputs:
+        compile nothing, else None (see `PrecompiledFunction.saved`); runs no graph."""
+        with self._inputs(ids, positions, last, context, uniform, sampling, slot, targets, verify, None) as inputs:
             return self.step.saved(self.model, self.cache, *inputs)
 
     @contextlib.contextmanager
     def _inputs(self, ids: list[list[int]], positions: list[list[int]], last: int, context: int,
                 uniform: list[float], sampling: list[list[float]], slot: int | None,
-                targets: list[list[int]] | None, verify: bool) -> Iterator[tuple[Any, ...]]:
+                targets: list[list[int]] | None, verify: bool, images: torch.Tensor | None
+                ) -> Iterator[tuple[Any, ...]]:
         """Within: the step's inputs on the device (after the model and the cache), the cache's writes
-        set for them and the model's attention packed."""
+        set for them and the model's attention packed; a vision-language model's prefill pieces as
+        embeddings, with `images` (their placeholders' features) in their places."""
         device = self.model.device
+        ids_tensor = torch.tensor(ids, device=device)
+        embeds = None if self.images is None or slot is None else prompt_embeddings(self.model, ids_tensor, images)
         positions_tensor = torch.tensor(positions, device=device)
         writes = self.cache.writes
         writes.positions = positions_tensor
@@ -436,10 +451,10 @@ class SlotSteps:
             self.adapters.rows.set([int(row[ADAPTER]) for row in sampling], self.model.dtype, device)
         try:
             with packed_attention(self.model):
-                yield (torch.tensor(ids, device=device), positions_tensor, torch.tensor([last], device=device),
+                yield (ids_tensor, positions_tensor, torch.tensor([last], device=device),
                        torch.tensor([row[:ADAPTER] for row in sampling], device=device),  # (the adapter: above)
                        torch.tensor(uniform, dtype=torch.float32, device=device), sampled,
-                       None if targets is None else torch.tensor(targets, device=device), verify)
+                       None if targets is None else torch.tensor(targets, device=device), verify, embeds)
         finally:  # (between steps the device holds the cache only)
             writes.positions = writes.slot = None
             if self.adapters is not None:

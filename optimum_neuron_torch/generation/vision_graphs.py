@@ -29,16 +29,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPooling
-from transformers.utils.output_capturing import maybe_install_capturing_hooks
 
-from ..compiler import regions
 from .buckets import Buckets, PlannedGraph
-from .compiling import COMPILE_CONFIG, dense, image_features
-from .padding import fill_batch
-from .split_model import whole_graphs_reason
+from .images import ImageEncoder, prompt_embeddings
 from .static_graphs import StaticGraphs
 from .static_plans import Shapes, image_placeholder
 
@@ -53,53 +48,19 @@ class VisionLanguageGraphs(StaticGraphs):
     def __init__(self, model: PreTrainedModel, buckets: Buckets) -> None:
         super().__init__(model, buckets)
         self.image_token: int = image_placeholder(model)
-        self._compiled_images: Callable[..., Any] | None = None
+        self.images = ImageEncoder(model)
         # The call running: the features of its images (placeholder order) and placeholders per row.
-        self._images: tuple[torch.Tensor, list[int]] | None = None
+        self._call_images: tuple[torch.Tensor, list[int]] | None = None
 
     def forward(self, **inputs: Any) -> Any:
         """A step (see `StaticGraphs.forward`); a prefill chunk's tokens become their embeddings,
-        with the features of its images in their places (`embeddings`)."""
+        with the features of its images in their places (`prompt_embeddings`)."""
         input_ids = inputs.get("input_ids")
         if input_ids is not None and input_ids.shape[-1] > 1:
-            inputs["inputs_embeds"] = self.embeddings(inputs.pop("input_ids"), inputs.pop("mm_encoder_outputs", None))
+            encoded = inputs.pop("mm_encoder_outputs", None)
+            inputs["inputs_embeds"] = prompt_embeddings(self.model, inputs.pop("input_ids"),
+                                                        encoded["image"].pooler_output[0] if encoded else None)
         return super().forward(**inputs)
-
-    def embeddings(self, input_ids: torch.Tensor, encoder_outputs: dict[str, Any] | None) -> torch.Tensor:
-        """What the model's own forward hands its language model for `input_ids` and the image
-        features of their placeholders (`encoder_outputs`, Transformers' `mm_encoder_outputs`):
-        that forward runs eagerly up to its language model's call, where a hook takes its
-        `inputs_embeds` and stops it."""
-        language_model = self.model.model.language_model
-
-        def stop(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-            raise _Embedded(kwargs["inputs_embeds"])
-
-        hook = language_model.register_forward_pre_hook(stop, with_kwargs=True)
-        try:
-            with torch.no_grad():
-                self.model.model(input_ids=input_ids, mm_encoder_outputs=encoder_outputs)
-        except _Embedded as embedded:
-            return embedded.embeds
-        finally:
-            hook.remove()
-        raise RuntimeError(f"{type(self.model.model).__name__}.forward did not call its language model")
-
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """The features of each image, `[images, tokens, hidden]`: the model's `get_image_features`,
-        compiled, a batch bucket of images at a time."""
-        if self._compiled_images is None:
-            _install_output_capturing_hooks(self.model)
-            self._compiled_images = regions.compile_by_layer(
-                image_features, whole_because=whole_graphs_reason(self.model), **COMPILE_CONFIG.to_dict())
-        largest = self.buckets.batch_sizes[-1]
-        features = []
-        for start in range(0, pixel_values.shape[0], largest):
-            group = pixel_values[start:start + largest]
-            batch = self.buckets.batch_size_for(group.shape[0])
-            encoded = self._compiled_images(self.model, pixel_values=dense(fill_batch(group, batch)))
-            features.append(encoded[:group.shape[0]])
-        return torch.cat(features)
 
     def _compiled_call(self, transformers_generate: Callable[..., Any], input_ids: torch.Tensor | None,
                        generation_config: GenerationConfig | None, config: GenerationConfig,
@@ -118,15 +79,14 @@ class VisionLanguageGraphs(StaticGraphs):
             return transformers_generate(input_ids, generation_config, **kwargs)
         placeholders = (input_ids == self.image_token).sum(dim=1).tolist()
         with self._serving():
-            features = self.encode_images(pixel_values.to(self.model.device, self.model.dtype))
-        features = features.reshape(-1, features.shape[-1])
+            features = self.images.encode(pixel_values, self.buckets.batch_sizes)
         if sum(placeholders) != features.shape[0]:  # (Transformers' eager call raises the model's error)
             return transformers_generate(input_ids, generation_config, **kwargs)
-        self._images = (features, placeholders)
+        self._call_images = (features, placeholders)
         try:
             return super()._compiled_call(transformers_generate, input_ids, generation_config, config, None, kwargs)
         finally:
-            self._images = None
+            self._call_images = None
 
     def _padded_call(self, input_ids: torch.Tensor, config: GenerationConfig, shapes: Shapes,
                      kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -134,9 +94,9 @@ class VisionLanguageGraphs(StaticGraphs):
         place of `pixel_values`: the features of each row's placeholders, in the padded call's rows
         (a row repeated for `num_return_sequences`, the filler rows copies of the first)."""
         call = super()._padded_call(input_ids, config, shapes, kwargs)
-        if self._images is None:
+        if self._call_images is None:
             return call
-        features, placeholders = self._images
+        features, placeholders = self._call_images
         starts = [sum(placeholders[:row]) for row in range(len(placeholders))]
         rows = [row for row in range(len(placeholders)) for _ in range(config.num_return_sequences or 1)]
         rows += [0] * (shapes.batch - len(rows))
@@ -149,40 +109,14 @@ class VisionLanguageGraphs(StaticGraphs):
         """A text model's graphs (see `StaticGraphs.graph_plan`), and an image encoder per batch
         bucket (of images of the vision tower's size, its `tokens`)."""
         buckets = buckets or self.buckets
-        size = self.model.config.vision_config.image_size
-        return [*super().graph_plan(buckets, sampling),
-                *(PlannedGraph("image encoder", batch, size, 0) for batch in buckets.batch_sizes)]
+        return [*super().graph_plan(buckets, sampling), *self.images.graph_plan(buckets.batch_sizes)]
 
     def precompile(self, show_progress: bool = True, sampling: bool | None = None) -> None:
         """A text model's graphs (see `StaticGraphs.precompile`), then the image encoder's, by
         encoding black images of the vision tower's size."""
         super().precompile(show_progress, sampling)
-        channels = getattr(self.model.config.vision_config, "num_channels", 3)
-        for graph in tqdm([graph for graph in self.graph_plan(sampling=sampling) if graph.role == "image encoder"],
-                          desc="Compiling neuron graphs", disable=not show_progress):
-            with self._one_call, self._serving():
-                self.encode_images(torch.zeros((graph.batch, channels, graph.tokens, graph.tokens),
-                                               dtype=self.model.dtype, device=self.model.device))
-
-
-class _Embedded(Exception):
-    """Stops a model's forward at its language model's call, carrying the embeddings it got."""
-
-    def __init__(self, embeds: torch.Tensor) -> None:
-        super().__init__("embeddings taken")
-        self.embeds = embeds
-
-
-def _install_output_capturing_hooks(model: PreTrainedModel) -> None:
-    """Installs the hooks by which Transformers collects the vision tower's hidden states (which
-    `get_image_features` reads), as its first eager call would: installing takes a lock, which
-    Dynamo cannot trace. The language model gets none (its graphs stay those of a text model)."""
-    language_model = model.model.language_model
-    inside = set(language_model.modules())
-    for module in model.modules():
-        if isinstance(module, PreTrainedModel) and module not in inside \
-                and language_model not in set(module.modules()):
-            maybe_install_capturing_hooks(module)
+        with self._one_call, self._serving():
+            self.images.precompile(self.buckets.batch_sizes, show_progress)
 
 
 def _is_image_argument(name: str, value: Any) -> bool:

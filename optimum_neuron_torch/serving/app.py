@@ -44,6 +44,7 @@ from ..generation.lora_adapters import AdapterSlots
 from ..generation.requests import Event, SamplingSettings
 from ..generation.requests import Request as EngineRequest
 from . import answers
+from .chat_images import chat_inputs
 from .embedding_engine import EmbeddingEngine
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
@@ -66,7 +67,7 @@ STARTING_RETRY_SECONDS = 5  # the Retry-After of a 503 while the graphs compile 
 
 def build_app(engine: GenerationEngine | EmbeddingEngine | TranscriptionEngine, model_name: str, *,
               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              tool_parser: str | None = None) -> FastAPI:
+              tool_parser: str | None = None, processor: Any = None) -> FastAPI:
     """The server's FastAPI application over `engine`, which the caller starts (`/health` answers 503
     until its graphs are ready); the application's shutdown stops it (letting the requests running
     finish).
@@ -78,6 +79,8 @@ def build_app(engine: GenerationEngine | EmbeddingEngine | TranscriptionEngine, 
         max_body_bytes (`int`): the largest request body taken.
         tool_parser (`str`, *optional*): how answers write their tool calls (`tool_calls.PARSERS`);
             default: the format the chat template's text names, if any.
+        processor (`ProcessorMixin`, *optional*): a vision-language model's processor, which makes
+            the prompts of chats (with their images, see `chat_images`).
 
     Example:
 
@@ -177,12 +180,12 @@ def build_app(engine: GenerationEngine | EmbeddingEngine | TranscriptionEngine, 
     elif isinstance(engine, TranscriptionEngine):
         transcription_routes(app, engine, model_name, _check_model)
     else:
-        _generation_routes(app, engine, model_name, max_body_bytes, metrics, tool_parser)
+        _generation_routes(app, engine, model_name, max_body_bytes, metrics, tool_parser, processor)
     return app
 
 
 def _generation_routes(app: FastAPI, engine: GenerationEngine, model_name: str, max_body_bytes: int,
-                       metrics: ServerMetrics, tool_parser: str | None) -> None:
+                       metrics: ServerMetrics, tool_parser: str | None, processor: Any) -> None:
     """`POST /v1/chat/completions` and `POST /v1/completions` over a generation engine; `/v1/embeddings`
     answers 404 saying what serves it."""
     grammars = Grammars(engine.tokenizer, engine.model.get_input_embeddings().num_embeddings, engine.eos_token_ids)
@@ -203,8 +206,9 @@ def _generation_routes(app: FastAPI, engine: GenerationEngine, model_name: str, 
         tools = body.tools_given()
         choice = tool_choice(tools, body.tool_choice_given(), parser, body.parallel_tool_calls is not False)
         grammar = _chat_grammar(grammars, body, tools, choice)
-        return await _respond(request, engine, metrics, grammars, body, [_chat_prompt(engine, body, tools)],
-                              chat=True, grammar=grammar, tools=choice, adapter=adapter)
+        prompt, images = _chat_prompt(engine, body, tools, processor)
+        return await _respond(request, engine, metrics, grammars, body, [prompt], chat=True, grammar=grammar,
+                              tools=choice, adapter=adapter, images=images)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Any:
@@ -286,16 +290,24 @@ def _check_model(name: str, served: str) -> None:
         raise ModelNotFoundError(f"model {name!r} is not served here; this server serves {served!r} (GET /v1/models)")
 
 
-def _chat_prompt(engine: GenerationEngine, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None
-                 ) -> list[int]:
-    """The prompt of the chat's messages, showing the model its `tools` (its chat template's way)."""
+def _chat_prompt(engine: GenerationEngine, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
+                 processor: Any) -> tuple[list[int], Any]:
+    """The prompt of the chat's messages, showing the model its `tools` (its chat template's way),
+    and the pixel values of its images: by the `processor` of a vision-language model (see
+    `chat_images`), else the tokenizer, which reads no image part."""
+    if processor is not None:
+        return chat_inputs(processor, body.messages, tools)
+    image = next((f"messages.{index}.content.{part}" for index, message in enumerate(body.messages)
+                  for part, _ in message.images()), None)
+    if image is not None:
+        raise InvalidRequestError(f"{image}: this model reads no images", image)
     tokenizer = engine.tokenizer
     if not tokenizer.chat_template:
         raise InvalidRequestError("this model's tokenizer has no chat template: use /v1/completions", "messages")
     messages = [message.for_template() for message in body.messages]
     encoding = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
                                              return_dict=True)
-    return list(encoding["input_ids"])
+    return list(encoding["input_ids"]), None
 
 
 def _chat_grammar(grammars: Grammars, body: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
@@ -365,10 +377,10 @@ def _sampling(engine: GenerationEngine, body: ChatCompletionRequest | Completion
 
 def _engine_requests(engine: GenerationEngine, grammars: Grammars, body: ChatCompletionRequest | CompletionRequest,
                      prompts: list[list[int]], on_event: Callable[[int], Callable[[Event], None]],
-                     grammar: str | None, adapter: str | None = None) -> list[EngineRequest]:
+                     grammar: str | None, adapter: str | None = None, images: Any = None) -> list[EngineRequest]:
     """An engine request per choice (`n` per prompt; with a `seed`, choice `j` samples with `seed + j`);
     held to a `grammar`, or with a `logit_bias`, each chooses its tokens on the host (`structured_output`);
-    each with the LoRA adapter named `adapter`, if any.
+    each with the LoRA adapter named `adapter`, if any, and the chat's `images` (pixel values), if any.
 
     Raises:
         InvalidRequestError: `n` beyond the slots, `echo` with `logprobs` on an engine that does not
@@ -396,7 +408,7 @@ def _engine_requests(engine: GenerationEngine, grammars: Grammars, body: ChatCom
         device = own if choose is None else SamplingSettings(seed=seed)
         jobs.append(EngineRequest(prompt, body.max_new_tokens(), device, body.stop_strings(), on_event(index), eos,
                                   choose=choose,
-                                  logprobs=body.logprobs_asked(), prompt_logprobs=scored))
+                                  logprobs=body.logprobs_asked(), prompt_logprobs=scored, images=images))
         if adapter is not None:
             _adapters(engine).use(adapter, jobs[-1])
     return jobs
@@ -405,7 +417,7 @@ def _engine_requests(engine: GenerationEngine, grammars: Grammars, body: ChatCom
 async def _respond(request: Request, engine: GenerationEngine, metrics: ServerMetrics, grammars: Grammars,
                    body: ChatCompletionRequest | CompletionRequest, prompts: list[list[int]], chat: bool,
                    echoes: list[str] | None = None, grammar: str | None = None, tools: ToolChoice | None = None,
-                   adapter: str | None = None) -> Any:
+                   adapter: str | None = None, images: Any = None) -> Any:
     """Submits a request per choice to the engine and answers: streamed, or whole once they finish
     (each completion after its prompt's text, `echoes`, if given; each chat answer held to `grammar`,
     if given, its tool calls read as `tools` says; each with the LoRA adapter named `adapter`, if any)."""
@@ -414,7 +426,7 @@ async def _respond(request: Request, engine: GenerationEngine, metrics: ServerMe
     n = body.n or 1
     jobs = _engine_requests(engine, grammars, body, prompts, lambda index: metrics.track(
         0 if index % n else len(prompts[index // n]), functools.partial(_put, loop, queue, index)), grammar,
-                            adapter)
+                            adapter, images)
     try:
         for index, job in enumerate(jobs):
             field = "messages" if chat else "prompt" if len(prompts) == 1 else f"prompt.{index // n}"

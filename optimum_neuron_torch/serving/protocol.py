@@ -43,6 +43,16 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str  # (a data URL: `data:image/png;base64,...`)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class CalledFunction(_Strict):
     name: str
     arguments: str  # (JSON, as the API gives it)
@@ -56,7 +66,7 @@ class ToolCall(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None  # (None: an assistant's message of tool calls)
+    content: str | list[TextPart | ImagePart] | None = None  # (None: an assistant's message of tool calls)
     tool_calls: list[ToolCall] | None = None  # (an assistant's)
     tool_call_id: str | None = None  # (a tool's answer: to which call)
     name: str | None = None
@@ -64,7 +74,14 @@ class Message(_Strict):
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def images(self) -> list[tuple[int, str]]:
+        """The URL of each image part, with its index among the parts."""
+        parts = self.content if isinstance(self.content, list) else []
+        return [(index, part.image_url.url) for index, part in enumerate(parts) if isinstance(part, ImagePart)]
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates read it: its tool calls' arguments as objects (as

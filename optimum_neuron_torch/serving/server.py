@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from typing import Any
 
 import uvicorn
 
@@ -23,7 +24,7 @@ DEFAULT_PORT = 8000
 
 def run_server(engine: GenerationEngine, model_name: str, *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                api_key: str | None = None, drain_seconds: int = 120, show_progress: bool = True,
-               tool_parser: str | None = None) -> None:
+               tool_parser: str | None = None, processor: Any = None) -> None:
     """Serves `engine` over HTTP until SIGTERM or Ctrl-C; call it from the main thread. The engine
     compiles its graphs while the HTTP side already answers (`/health`: 503 until they are ready).
 
@@ -36,9 +37,10 @@ def run_server(engine: GenerationEngine, model_name: str, *, host: str = DEFAULT
         drain_seconds (`int`): after SIGTERM, how long the requests running may take to finish.
         show_progress (`bool`): a progress bar while the graphs compile.
         tool_parser (`str`, *optional*): how answers write tool calls (see `build_app`).
+        processor (`ProcessorMixin`, *optional*): a vision-language model's (see `build_app`).
     """
-    config = uvicorn.Config(build_app(engine, model_name, api_key=api_key, tool_parser=tool_parser), host=host,
-                            port=port, timeout_graceful_shutdown=drain_seconds, log_level="info")
+    app = build_app(engine, model_name, api_key=api_key, tool_parser=tool_parser, processor=processor)
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=drain_seconds, log_level="info")
     server = uvicorn.Server(config)  # (on a thread other than the main one, uvicorn leaves signals alone)
     http = threading.Thread(target=server.run, name="neuron-serving-http")
     handlers = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
