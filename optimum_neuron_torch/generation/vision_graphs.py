@@ -19,8 +19,9 @@ count of images and every split of them across prefill chunks. Here it is cut in
   (batch bucket, prompt bucket), images or not. Decode steps take a token, as a text model's.
 
 So a vision-language model compiles a text model's graphs plus one image encoder per batch bucket,
-whatever the number and sizes of the images (for a processor that resizes them to one size), and
-the model's calls all take this path (the generation engine does not hold image inputs yet).
+whatever the number and sizes of the images (for a processor that resizes them to one size). Its
+calls take this path when the generation engine does not run them (a model whose engine failed);
+the engine encodes and merges images the same way (see `images`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from .buckets import Buckets, PlannedGraph
 from .images import ImageEncoder, prompt_embeddings
 from .static_graphs import StaticGraphs
-from .static_plans import Shapes, image_placeholder
+from .static_plans import Shapes
 
 # The image arguments the compiled path takes; a call with another image argument (image sizes of
 # tiled images, pixel masks, ...) runs eagerly.
@@ -47,7 +48,6 @@ class VisionLanguageGraphs(StaticGraphs):
 
     def __init__(self, model: PreTrainedModel, buckets: Buckets) -> None:
         super().__init__(model, buckets)
-        self.image_token: int = image_placeholder(model)
         self.images = ImageEncoder(model)
         # The call running: the features of its images (placeholder order) and placeholders per row.
         self._call_images: tuple[torch.Tensor, list[int]] | None = None
@@ -77,7 +77,7 @@ class VisionLanguageGraphs(StaticGraphs):
             self._warn_once(f"the image arguments {', '.join(given)}" if given
                             else "images and no input ids")
             return transformers_generate(input_ids, generation_config, **kwargs)
-        placeholders = (input_ids == self.image_token).sum(dim=1).tolist()
+        placeholders = (input_ids == self.images.image_token).sum(dim=1).tolist()
         with self._serving():
             features = self.images.encode(pixel_values, self.buckets.batch_sizes)
         if sum(placeholders) != features.shape[0]:  # (Transformers' eager call raises the model's error)
