@@ -23,23 +23,20 @@ Usage:
 
 from __future__ import annotations
 
-import argparse
-import concurrent.futures
+import importlib.util
 import json
-import os
-import platform
-import subprocess
-import sys
-import tempfile
-import time
 import warnings
 from pathlib import Path
+
+# (a sibling file, loaded by path: this file runs as a script and is loaded by path by the tests)
+_spec = importlib.util.spec_from_file_location("sweeps", Path(__file__).with_name("sweeps.py"))
+sweeps = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sweeps)
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = ROOT / "docs" / "coverage.md"
 RESULTS = ROOT / "docs" / "coverage.json"
 DEFAULT_TIMEOUT = 180.0
-MEMORY_LIMIT = 10 * 2**30  # address space of each type's process: a type that would exhaust the host fails alone
 PROMPT_LENGTH = 10
 NEW_TOKENS = 8
 VOCAB = 128
@@ -88,11 +85,11 @@ OVERRIDES: dict[str, dict] = {
 }
 
 # The fixed sample of CI (tests/test_coverage.py): the families, the failure classes and their fixes. (Each type
-# costs 30-80 s of the slow tier: dense decoders and experts of the same family as one sampled, e.g. qwen3, phi,
-# gpt_neox, opt, olmo2, xglm, granitemoe, are left to the full sweep.)
+# costs 30-80 s of the slow tier: dense decoders and experts of the same family as one sampled, e.g. mistral,
+# qwen3, phi, gpt_neox, opt, olmo2, xglm, granitemoe, are left to the full sweep.)
 SAMPLE = (
     # dense decoders
-    "llama", "mistral", "qwen2", "gemma2", "phi3", "gpt2", "bloom",
+    "llama", "qwen2", "gemma2", "phi3", "gpt2", "bloom",
     # mixtures of experts (the static-experts patch; DeepSeek-V3's router: the sorted-top-k patch), multi-head latent
     # attention (caches allocated by one step), and a graph split around data-dependent routing (in-place cache writes)
     "mixtral", "qwen2_moe", "deepseek_v32", "deepseek_v3", "jetmoe",
@@ -139,7 +136,7 @@ def tiny_config(model_type: str):
     return config, sorted(changes)
 
 
-def _shrink(config, changes: dict) -> None:
+def _shrink(config, changes: dict, sizes: dict = SIZES) -> None:
     values = config.to_dict()
     layers = next((values[name] for name in ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
                    if isinstance(values.get(name), int)), None)
@@ -147,12 +144,12 @@ def _shrink(config, changes: dict) -> None:
     for name in PER_LAYER_LISTS:
         if isinstance(values.get(name), list) and len(values[name]) == layers and layers:
             kept_layers = kept_layers or _one_of_each(values[name])
-    for name, size in SIZES.items():
+    for name, size in sizes.items():
         if isinstance(values.get(name), int) and not isinstance(values.get(name), bool):
             if name in ("num_hidden_layers", "n_layer", "n_layers", "num_layers") and kept_layers:
                 size = max(size, len(kept_layers))
             if name == "num_key_value_heads" and values[name] == values.get("num_attention_heads"):
-                size = SIZES["num_attention_heads"]  # multi-head attention stays multi-head
+                size = sizes["num_attention_heads"]  # multi-head attention stays multi-head
             changes[name] = size
             setattr(config, name, size)
     if kept_layers:
@@ -206,7 +203,7 @@ def run_one(model_type: str, folder: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     result: dict = {"type": model_type}
-    stage = _Stage(result)
+    stage = sweeps.Stage(result)
     with stage("config"):
         config, result["changed"] = tiny_config(model_type)
     if "error" in result:
@@ -214,7 +211,7 @@ def run_one(model_type: str, folder: Path) -> dict:
     with stage("cpu"):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config).eval()
-        _randomize(model)
+        sweeps.randomize(model)
         model.save_pretrained(folder)
         ids = torch.randint(4, VOCAB - 4, (1, PROMPT_LENGTH), generator=torch.Generator().manual_seed(1))
         settings = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
@@ -252,57 +249,9 @@ def run_one(model_type: str, folder: Path) -> dict:
         keys = getattr(getattr(model, "neuron_generation", None), "cache_keys", ())
         result["graphs"] = len(keys)
         result["split_graphs"] = len(splits)
-        result["stablehlo"] = _lowering(keys)
+        result["stablehlo"] = sweeps.lowering(keys)
         result["fallback_ops"] = sorted(set(result.get("fallback_ops", [])) | set(ont.fallback_ops()))
     return result
-
-
-def _lowering(cache_keys) -> str:
-    """Whether the compiled graphs (or their pieces) lowered to StableHLO, which TorchNeuron's
-    compiler needs: "ok", "fails" (they ran on the reference device only), or "unchecked"."""
-    from optimum_neuron_torch.compiler import CompileCache
-    from optimum_neuron_torch.compiler.artifact import LOWERS, lowering_failed
-
-    statuses = [entry.metadata.get("stablehlo", "unchecked") for entry in map(CompileCache().get, cache_keys)
-                if entry is not None]
-    if any(lowering_failed(status) for status in statuses if status != "unchecked"):
-        return "fails"
-    return "ok" if statuses and all(status == LOWERS for status in statuses) else "unchecked"
-
-
-class _Stage:
-    """Records the stage a type reached and the first line of the error that ended it."""
-
-    def __init__(self, result: dict) -> None:
-        self.result = result
-
-    def __call__(self, name: str):
-        self.name, self.started = name, time.perf_counter()
-        print(f"stage {name}", file=sys.stderr, flush=True)
-        return self
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, error, traceback) -> bool:
-        self.result.setdefault("stage_seconds", {})[self.name] = round(time.perf_counter() - self.started, 1)
-        if error is None or "error" in self.result:
-            return error is None
-        lines = [line for line in str(error).strip().splitlines() if line.strip()]
-        message = f"{kind.__name__}: {lines[0] if lines else ''}".strip()
-        self.result["error"] = {"stage": self.name, "message": message[:300]}
-        return True
-
-
-def _randomize(model) -> None:
-    """Noise on every floating weight (init leaves norms at 1 and biases at 0, which hides bugs)."""
-    import torch
-
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for tensor in model.state_dict().values():
-            if tensor.is_floating_point():
-                tensor.add_(0.1 * torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype))
 
 
 # The sweep -------------------------------------------------------------------------------------
@@ -313,45 +262,8 @@ def causal_lm_types() -> list[str]:
 
 
 def run_in_subprocess(model_type: str, timeout: float, cache_dir: Path) -> dict:
-    """`run_one` in a fresh Python process, stopped after `timeout` seconds."""
-    with tempfile.TemporaryDirectory() as folder:
-        env = {**os.environ, "OPTIMUM_NEURON_TORCH_COMPILE_CACHE": str(cache_dir), "TOKENIZERS_PARALLELISM": "false"}
-        command = [sys.executable, __file__, "--one", model_type, "--folder", folder]
-        started = time.perf_counter()
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env,
-                                  preexec_fn=_limit_memory)
-        except subprocess.TimeoutExpired as expired:
-            stages = [line for line in (expired.stderr or b"").decode(errors="replace").splitlines()
-                      if line.startswith("stage ")]
-            stage = stages[-1].split()[1] if stages else "start"
-            return {"type": model_type, "seconds": round(timeout),
-                    "error": {"stage": stage, "message": f"did not finish in {timeout:.0f} s"}}
-        seconds = round(time.perf_counter() - started, 1)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if not lines:
-            tail = [line for line in done.stderr.strip().splitlines() if line.strip()][-1:] or ["no output"]
-            return {"type": model_type, "seconds": seconds,
-                    "error": {"stage": "process", "message": f"exit {done.returncode}: {tail[0][:300]}"}}
-        return {**json.loads(lines[-1]), "seconds": seconds}
-
-
-def _limit_memory() -> None:
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
-
-
-def sweep(types: list[str], jobs: int, timeout: float, progress: bool = True) -> list[dict]:
-    with tempfile.TemporaryDirectory() as cache_dir, concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        futures = {pool.submit(run_in_subprocess, model_type, timeout, Path(cache_dir)): model_type
-                   for model_type in types}
-        results = []
-        for future in concurrent.futures.as_completed(futures):
-            results.append(future.result())
-            if progress:
-                print(f"[{len(results)}/{len(types)}] {status(results[-1])}", flush=True)
-    return sorted(results, key=lambda result: result["type"])
+    """`run_one(model_type)` in a fresh Python process, stopped after `timeout` seconds."""
+    return sweeps.run_in_subprocess(model_type, timeout, cache_dir, __file__)
 
 
 def runnable_on_cpu(result: dict) -> bool:
@@ -368,7 +280,8 @@ def status(result: dict) -> str:
     eager = "eager identical" if result["eager_identical"] else "eager DIFFERENT"
     compiled = ("compiled identical" if result["compiled_identical"]
                 else f"compiled degraded ({result['degraded']})" if result["degraded"] else "compiled DIFFERENT")
-    return f"{result['type']}: {eager}, {compiled}, {result['graphs']} graphs, StableHLO: {_lowering_mark(result)}"
+    lowering = sweeps.lowering_mark(result)
+    return f"{result['type']}: {eager}, {compiled}, {result['graphs']} graphs, StableHLO: {lowering}"
 
 
 def summary(results: list[dict]) -> dict:
@@ -383,32 +296,6 @@ def summary(results: list[dict]) -> dict:
         "compiled_identical_whole_graphs": sum(bool(r.get("compiled_identical")) and r.get("stablehlo") == "ok"
                                                and not r.get("split_graphs") for r in runnable),
     }
-
-
-def write_table(results: list[dict], seconds: float, jobs: int) -> None:
-    """Writes docs/coverage.json (the results and how they were produced) and its rendering, docs/coverage.md."""
-    import torch
-    import transformers
-
-    data = {"summary": summary(results), "transformers": transformers.__version__, "torch": torch.__version__,
-            "machine": platform.machine(), "cpus": os.cpu_count(), "jobs": jobs, "minutes": round(seconds / 60),
-            "results": results}
-    _write(data)
-
-
-def update_table(results: list[dict]) -> None:
-    """Replaces the rows of these types in docs/coverage.json and docs/coverage.md (after a fix)."""
-    data = json.loads(RESULTS.read_text())
-    rows = {result["type"]: result for result in data["results"]} | {result["type"]: result for result in results}
-    data["results"] = sorted(rows.values(), key=lambda result: result["type"])
-    data["summary"] = summary(data["results"])
-    _write(data)
-
-
-def _write(data: dict) -> None:
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(data, indent=1) + "\n")
-    TABLE.write_text(render_table(data))
 
 
 def render_table(data: dict) -> str:
@@ -446,60 +333,22 @@ def render_table(data: dict) -> str:
         error = result.get("error")
         if not runnable_on_cpu(result):
             lines.append(f"| {result['type']} | – | – | – | – | – | – | not runnable on the CPU at tiny size: "
-                         f"{_cell(error['message'])} |")
+                         f"{sweeps.cell(error['message'])} |")
             continue
         reason = (f"{error['stage']}: {error['message']}" if error else
                   result.get("degraded") or ("" if result.get("compiled_identical") else "tokens differ"))
         lines.append(
-            f"| {result['type']} | {_mark(result.get('eager_identical'))} | {_mark(result.get('compiled_identical'))}"
-            f" | {_lowering_mark(result)} | {', '.join(result.get('patches', []))}"
-            f" | {', '.join(result.get('fallback_ops', []))} | {result.get('graphs', '')} | {_cell(reason)} |"
+            f"| {result['type']} | {sweeps.mark(result.get('eager_identical'))} "
+            f"| {sweeps.mark(result.get('compiled_identical'))} | {sweeps.lowering_mark(result)} "
+            f"| {', '.join(result.get('patches', []))}"
+            f" | {', '.join(result.get('fallback_ops', []))} | {result.get('graphs', '')} | {sweeps.cell(reason)} |"
         )
     return "\n".join(lines) + "\n"
 
 
-def _lowering_mark(result: dict) -> str:
-    if not result.get("graphs"):
-        return "–"
-    if result.get("stablehlo") == "fails":
-        return "no"
-    return "split" if result.get("split_graphs") else {"ok": "yes"}.get(result.get("stablehlo"), "–")
-
-
-def _mark(value) -> str:
-    return "yes" if value else "no" if value is not None else "–"
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--types", help="comma-separated model types (default: all)")
-    parser.add_argument("--sample", action="store_true", help="the fixed sample that CI runs")
-    parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT)
-    parser.add_argument("--update", action="store_true",
-                        help="with --types: replace these types' rows of the committed table")
-    parser.add_argument("--one", help=argparse.SUPPRESS)
-    parser.add_argument("--folder", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.one:
-        print(json.dumps(run_one(args.one, Path(args.folder))), flush=True)
-        return
-    types = (args.types.split(",") if args.types else list(SAMPLE) if args.sample else causal_lm_types())
-    started = time.perf_counter()
-    results = sweep(types, args.jobs, args.timeout)
-    seconds = time.perf_counter() - started
-    print(json.dumps(summary(results)))
-    if args.update or (not args.types and not args.sample):
-        if args.update:
-            update_table(results)
-        else:
-            write_table(results, seconds, args.jobs)
-        print(f"wrote {TABLE.relative_to(ROOT)} and {RESULTS.relative_to(ROOT)}")
+COMMITTED = sweeps.Table(RESULTS, TABLE, summary, render_table)
 
 
 if __name__ == "__main__":
-    main()
+    sweeps.main(__file__, __doc__, run_one=run_one, all_types=causal_lm_types, sample=SAMPLE, table=COMMITTED,
+                describe=status, timeout=DEFAULT_TIMEOUT)

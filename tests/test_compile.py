@@ -81,3 +81,26 @@ def test_a_compiled_convolution_gives_the_cpus_output_in_its_layout(mode):
         output = compiled(pixels.to("neuron"))
     assert output.stride() == expected.stride()
     torch.testing.assert_close(output.cpu(), expected)
+
+
+def test_a_convolution_lays_its_result_out_as_its_meta_function_says():
+    """A 1 x 1 convolution of one input channel over a transposed input (FastSpeech2's duration
+    predictor): the CPU's kernel gives a channels-last result (its weight looks channels-last), the
+    op's meta function a contiguous one, by which a compiled graph is planned. The device gives what
+    the meta function says, eagerly and compiled (Inductor checks it): the CPU's values."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    weight, values = torch.randn(32, 1, 1), torch.randn(1, 10, 1)
+
+    def project(values: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.conv1d(values.transpose(1, 2), weight) * 2
+
+    expected = project(values, weight)
+    meta = torch.nn.functional.conv1d(values.transpose(1, 2).to("meta"), weight.to("meta"))
+    assert expected.stride() != meta.stride() == (320, 10, 1)  # (the CPU's kernel and the meta function differ)
+    for _ in range(3):  # (each result a new tensor, which must never pass for an argument the call released)
+        eager = torch.nn.functional.conv1d(values.transpose(1, 2).to("neuron"), weight.to("neuron"))
+        assert eager.stride() == meta.stride()
+        torch.testing.assert_close(eager.cpu(), expected / 2)
+    compiled = torch.compile(project, backend="neuron", fullgraph=True)(values.to("neuron"), weight.to("neuron"))
+    torch.testing.assert_close(compiled.cpu(), expected)

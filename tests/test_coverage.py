@@ -4,22 +4,17 @@ over the families, still generates on `neuron` as the committed table says."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import transformers
 from transformers import CONFIG_MAPPING
 
+from testing_utils import load_benchmark
+
 pytestmark = pytest.mark.slow  # a sample of the architecture sweep, each type in its own process
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("coverage_sweep", ROOT / "benchmarks" / "coverage.py")
-coverage = importlib.util.module_from_spec(_spec)
-sys.modules["coverage_sweep"] = coverage
-_spec.loader.exec_module(coverage)
+coverage = load_benchmark("coverage.py")
 
 COMMITTED = json.loads(coverage.RESULTS.read_text())
 BY_TYPE = {result["type"]: result for result in COMMITTED["results"]}

@@ -83,3 +83,24 @@ def test_whisper_generates_compiled_on_one_batch_bucket(fresh_dynamo):
     assert any("beam search (num_beams=2) runs its encoder compiled but its decode steps eagerly"
                in str(warning.message) for warning in caught)
     assert graphs() == 2  # (batch bucket 1: its encoder ran compiled)
+
+
+def test_a_speech_model_takes_the_arguments_its_processor_gives_as_on_the_cpu(fresh_dynamo):
+    """Cohere ASR's processor gives `audio_chunk_index`, which its `prepare_inputs_for_generation`
+    takes (and drops): Transformers accepts the argument from that method's signature, which the
+    device's model class keeps; its tokens are the CPU's (eagerly: its input is features, not ids)."""
+    config = transformers.CohereAsrConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        intermediate_size=64, encoder_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                                  num_key_value_heads=4, intermediate_size=64,
+                                                  subsampling_conv_channels=8))
+    torch.manual_seed(0)
+    cpu = transformers.CohereAsrForConditionalGeneration(config).eval()
+    inputs = transformers.CohereAsrFeatureExtractor()(tones(1.0), sampling_rate=16000, return_tensors="pt")
+    assert "audio_chunk_index" in inputs
+    settings = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    expected = cpu.generate(**inputs, **settings)
+    model = enable_compiled_generation(copy.deepcopy(cpu).to("neuron"))
+    with pytest.warns(UserWarning, match="generation without a 2D tensor of input ids"):
+        generated = model.generate(**inputs.to("neuron"), **settings)
+    assert generated.cpu().tolist() == expected.tolist()

@@ -9,10 +9,14 @@ import warnings
 import numpy
 import PIL.Image
 import pytest
+import torch
 import transformers
 
 import optimum_neuron_torch as ont
-from optimum_neuron_torch.generation import describe_plan
+from optimum_neuron_torch.generation import Buckets, describe_plan
+from optimum_neuron_torch.generation.compiling import image_features
+from optimum_neuron_torch.generation.images import prompt_embeddings
+from optimum_neuron_torch.generation.static_plans import image_placeholder
 from testing_utils import clear_counts, graphs, recompiles
 from tiny_models import save_audio_and_image_checkpoint
 
@@ -54,9 +58,8 @@ def same_tokens(cpu, model, inputs: transformers.BatchFeature, **settings) -> No
 
 def test_llava_generates_compiled_with_the_cpus_tokens(llava, fresh_dynamo):
     """The fast tier's check: one image on batch bucket 1 compiles a prefill, a decode step and an
-    image encoder, and gives the CPU's tokens; the generation engine does not take image inputs,
-    so the model's calls run on the static graphs (one graph set); images that do not match the
-    prompt's placeholders fail with Transformers' own error."""
+    image encoder, and gives the CPU's tokens; the generation engine runs the model's calls (one
+    graph set); images that do not match the prompt's placeholders fail with Transformers' own error."""
     cpu, model, processor = llava
     model.precompile(batch_sizes=(1,), prompt_buckets=(64,), max_length=96, show_progress=False)
     plan = model.neuron_generation.graph_plan()
@@ -112,3 +115,69 @@ def test_llava_generates_images_of_any_number_and_size_without_compiling_again(l
     text_only = processor(text=[prompt(processor, 0, "just text")], return_tensors="pt")
     same_tokens(cpu, model, text_only, max_new_tokens=10)
     assert graphs() == 0 and recompiles() == 0
+
+
+def test_an_encoder_decoder_vision_language_model_generates_eagerly_with_the_cpus_tokens(tmp_path):
+    """Florence-2 merges its image features into its encoder's input, not into a prompt its decoder
+    continues: it is not the placeholder-merging path's (which would decode the encoder's embeddings
+    as a prompt: other tokens), and generates eagerly, with a warning naming the image argument."""
+    vision = dict(depths=[1, 1], embed_dim=[16, 32], num_heads=[1, 2], num_groups=[1, 2], patch_size=[7, 3],
+                  patch_stride=[4, 2], patch_padding=[3, 1], patch_prenorm=[False, True], projection_dim=32)
+    text = dict(vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=128)
+    config = transformers.Florence2Config(vision_config=vision, text_config=text, image_token_id=90)
+    torch.manual_seed(0)
+    cpu = transformers.Florence2ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # (noise: the tokens of a freshly initialized model ignore its image)
+        generator = torch.Generator().manual_seed(0)
+        for weight in cpu.parameters():
+            weight.add_(0.3 * torch.randn(weight.shape, generator=generator))
+    cpu.save_pretrained(tmp_path)
+    pixel_values = torch.randn(1, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        placeholders = cpu.get_image_features(pixel_values=pixel_values).pooler_output.shape[1]
+    ids = torch.tensor([[0, *[90] * placeholders, 5, 17, 33, 2]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixel_values}
+    expected = cpu.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    without_image = cpu.generate(**dict(inputs, pixel_values=torch.zeros_like(pixel_values)), max_new_tokens=6,
+                                 min_new_tokens=6, do_sample=False)
+    assert without_image.tolist() != expected.tolist()  # (the tokens tell whether the image was seen)
+    model = ont.NeuronAutoModelForImageTextToText.from_pretrained(tmp_path)
+    model.neuron_generation.set_buckets(Buckets((1,), (128,), 160))  # (the prompt fits)
+    with pytest.warns(UserWarning, match="the encoder inputs pixel_values .* does not run on the compiled neuron"):
+        generated = model.generate(**{name: value.to("neuron") for name, value in inputs.items()},
+                                   max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert generated.cpu().tolist() == expected.tolist()
+    assert image_placeholder(model) is None  # (nor does the generation engine take its images)
+
+
+@pytest.mark.parametrize("kind", ["llava", "got_ocr2"])
+def test_prompt_embeddings_are_those_the_models_forward_gives_its_language_model(kind, tmp_path):
+    """The embeddings of a prompt with its images' features in place are those the model's own
+    forward hands its language model, whether the model reads the features as a list of tensors
+    (LLaVA: `torch.cat`) or as one tensor (GOT-OCR 2: `.to`)."""
+    if kind == "llava":
+        cpu = transformers.LlavaForConditionalGeneration.from_pretrained(
+            save_audio_and_image_checkpoint("llava", tmp_path)).eval()
+    else:
+        vision = dict(hidden_size=32, output_channels=32, num_hidden_layers=2, num_attention_heads=4,
+                      image_size=64, mlp_dim=64, window_size=2, global_attn_indexes=[1])
+        text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                    num_key_value_heads=2)
+        cpu = transformers.GotOcr2ForConditionalGeneration(
+            transformers.GotOcr2Config(vision_config=vision, text_config=text, image_token_index=90)).eval()
+    token = image_placeholder(cpu)
+    side = cpu.config.vision_config.image_size
+    pixel_values = torch.randn(2, 3, side, side, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        features = image_features(cpu, pixel_values)
+    ids = torch.tensor([[3, 4, *[token] * features.shape[1], 5, *[token] * features.shape[1], 6]])
+    seen = []
+    hook = cpu.model.language_model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs["inputs_embeds"]), with_kwargs=True)
+    with torch.no_grad():
+        cpu.model(input_ids=ids, pixel_values=pixel_values)
+    hook.remove()
+    embeds = prompt_embeddings(cpu, ids, features.reshape(-1, features.shape[-1]))
+    assert torch.equal(embeds, seen[0])
+    assert not torch.equal(embeds, prompt_embeddings(cpu, ids, features.flip(0).reshape(-1, features.shape[-1])))

@@ -146,3 +146,17 @@ def failures(checks: list[list[dict]], program: str | None = None) -> list[str]:
 
 def names(checks: list[list[dict]], program: str) -> set[str]:
     return {check["name"] for made in checks for check in made if check["program"] == program}
+
+
+def load_benchmark(file_name: str) -> Any:
+    """A script of `benchmarks/` as a module (they are scripts, not a package), registered in
+    `sys.modules` as `benchmark_<name>` (not its own name: `coverage` is a package too)."""
+    import importlib.util
+
+    name = f"benchmark_{Path(file_name).stem}"
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / file_name
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

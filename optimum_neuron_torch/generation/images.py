@@ -86,16 +86,39 @@ def prompt_embeddings(model: PreTrainedModel, input_ids: torch.Tensor, features:
     def stop(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         raise _Embedded(kwargs["inputs_embeds"])
 
-    encoded = {"image": BaseModelOutputWithPooling(pooler_output=[features])} if features is not None else None
     hook = language_model.register_forward_pre_hook(stop, with_kwargs=True)
     try:
         with torch.no_grad():
-            model.model(input_ids=input_ids, mm_encoder_outputs=encoded)
+            _call_with_features(model.model, input_ids, features)
     except _Embedded as embedded:
         return embedded.embeds
     finally:
         hook.remove()
     raise RuntimeError(f"{type(model.model).__name__}.forward did not call its language model")
+
+
+# The classes whose forward reads their images' features as one tensor (GOT-OCR 2: `.to(...)`), not
+# as a list of tensors (LLaVA: `torch.cat(...)`), as their own `get_image_features` gives them.
+_TENSOR_FEATURES: weakref.WeakSet[type] = weakref.WeakSet()
+
+
+def _call_with_features(inner: torch.nn.Module, input_ids: torch.Tensor, features: torch.Tensor | None) -> None:
+    """`inner`'s forward with the features as its `mm_encoder_outputs`, in the form it reads: a list
+    first, one tensor where a list failed (and from then on for its class)."""
+    if features is None:
+        inner(input_ids=input_ids)
+        return
+    if type(inner) not in _TENSOR_FEATURES:
+        try:
+            encoded = BaseModelOutputWithPooling(pooler_output=[features])
+            inner(input_ids=input_ids, mm_encoder_outputs={"image": encoded})
+            return
+        except (AttributeError, TypeError) as error:
+            if "'list'" not in str(error):
+                raise
+    encoded = BaseModelOutputWithPooling(pooler_output=features[None])  # ([1 image group, placeholders, hidden])
+    inner(input_ids=input_ids, mm_encoder_outputs={"image": encoded})
+    _TENSOR_FEATURES.add(type(inner))
 
 
 class _Embedded(Exception):

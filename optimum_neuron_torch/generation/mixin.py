@@ -5,6 +5,7 @@ Transformers class under the same name; `disable_compiled_generation` restores t
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -143,9 +144,24 @@ class NeuronGenerationMixin:
 
 @functools.cache
 def _with_compiled_generation(model_class: type[PreTrainedModel]) -> type[PreTrainedModel]:
+    prepare = _signed_as(NeuronGenerationMixin.prepare_inputs_for_generation,
+                         model_class.prepare_inputs_for_generation)
     return type(model_class.__name__, (NeuronGenerationMixin, model_class),
                 {"__module__": model_class.__module__, "__qualname__": model_class.__qualname__,
-                 "__doc__": model_class.__doc__})
+                 "__doc__": model_class.__doc__, "prepare_inputs_for_generation": prepare})
+
+
+def _signed_as(function: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` under `original`'s signature: Transformers accepts the arguments of a generate() call
+    that the model's `prepare_inputs_for_generation` names (Cohere ASR's takes the `audio_chunk_index`
+    its processor gives), so the override keeps the model's signature."""
+
+    @functools.wraps(function)
+    def call(self: PreTrainedModel, *args: Any, **kwargs: Any) -> Any:
+        return function(self, *args, **kwargs)
+
+    call.__signature__ = inspect.signature(original)  # (read before `__wrapped__`)
+    return call
 
 
 def enable_compiled_generation(model: PreTrainedModel, buckets: Buckets | None = None,

@@ -29,6 +29,10 @@ UNSUPPORTED_KWARGS = {
     "synced_gpus": "synced_gpus",
 }
 
+# The tensors an encoder-decoder's compiled call takes beside its input ids (any other is an input
+# of its encoder, such as a vision-language model's images, which sends the call to eager generate()).
+SEQ2SEQ_TENSORS = ("attention_mask", "decoder_input_ids", "decoder_attention_mask")
+
 
 @dataclass(frozen=True)
 class Shapes:
@@ -55,6 +59,10 @@ def plan(buckets: Buckets, input_ids: torch.Tensor | None, config: GenerationCon
             return why
     if input_ids is None or input_ids.ndim != 2:
         return "generation without a 2D tensor of input ids"
+    encoder_inputs = sorted(name for name, value in kwargs.items()
+                            if isinstance(value, torch.Tensor) and name not in SEQ2SEQ_TENSORS)
+    if encoder_decoder and encoder_inputs:  # (the compiled encoder would run without them)
+        return f"the encoder inputs {', '.join(encoder_inputs)} (the compiled encoder takes input ids only)"
     mode = config.get_generation_mode()
     if mode not in SUPPORTED_MODES:
         return f"{mode.value.replace('_', ' ')} (num_beams={config.num_beams})"
@@ -107,8 +115,12 @@ def image_placeholder(model: PreTrainedModel) -> int | None:
     its image features into its prompt's embeddings before its language model (`get_image_features`,
     `model.language_model`: LLaVA and the models built like it), or None for another model, and for
     the vision-language models whose language model needs more than the embeddings: image token
-    types (Gemma 3, PaliGemma: images attend both ways) or positions from the image grid (Qwen-VL)."""
+    types (Gemma 3, PaliGemma: images attend both ways), positions from the image grid (Qwen-VL), or
+    an encoder and a decoder (Florence-2: the embeddings are its encoder's input, not a prompt to
+    continue)."""
     config, inner = model.config, getattr(model, "model", None)
+    if config.is_encoder_decoder:
+        return None
     token = getattr(config, "image_token_id", None)
     if token is None:
         token = getattr(config, "image_token_index", None)

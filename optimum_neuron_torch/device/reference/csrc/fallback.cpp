@@ -30,6 +30,7 @@ struct OpEntry {
   std::string name; // "aten::add.out"
   bool native = true; // per the active profile
   std::vector<int> written_args; // arguments the op writes (in-place and out= ops)
+  bool contiguous_results = false; // see `lays_out_by_strides`
   std::atomic<int64_t> calls{0};
   std::atomic<int64_t> nanoseconds{0};
   std::atomic<bool> executed{false};
@@ -52,6 +53,15 @@ bool is_native(const std::string& name) {
   return g_all_native || g_native_ops.count(name) > 0;
 }
 
+// Ops whose CPU kernel lays its result out by its arguments' strides where the op's meta function
+// (which compiled graphs are planned by) gives a contiguous result: a CPU convolution goes
+// channels-last when its input or weight looks channels-last, as a weight of 1 x 1 kernels over one
+// input channel does, and a compiled FastSpeech2 failed Inductor's check of the result's strides.
+// Their results are made contiguous, as a device kernel that allocates by the meta function gives them.
+bool lays_out_by_strides(const std::string& name) {
+  return name == "aten::convolution" || name == "aten::_convolution";
+}
+
 // Caller holds g_ops_mutex.
 OpEntry& entry_named_locked(const std::string& name) {
   auto& slot = g_ops_by_name[name];
@@ -59,6 +69,7 @@ OpEntry& entry_named_locked(const std::string& name) {
     slot = std::make_unique<OpEntry>();
     slot->name = name;
     slot->native = is_native(name);
+    slot->contiguous_results = lays_out_by_strides(name);
   }
   return *slot;
 }
@@ -168,7 +179,7 @@ class HostCall {
   at::Tensor to_host(const at::Tensor& t) {
     Slot& slot = slot_for(t.storage());
     at::Tensor host = tensor_over(slot.host, c10::DispatchKey::CPU, t);
-    tensors_.emplace_back(host.unsafeGetTensorImpl(), t);
+    tensors_.emplace_back(host, t);
     return host;
   }
 
@@ -204,8 +215,8 @@ class HostCall {
     if (!host.defined()) {
       return host;
     }
-    for (const auto& [impl, device] : tensors_) {
-      if (impl == host.unsafeGetTensorImpl()) {
+    for (const auto& [argument, device] : tensors_) {
+      if (argument.unsafeGetTensorImpl() == host.unsafeGetTensorImpl()) {
         return device;
       }
     }
@@ -219,7 +230,7 @@ class HostCall {
       }
     }
     for (auto& [host_storage, device_storage] : results_) {
-      if (host_storage == storage) {
+      if (host_storage.unsafeGetStorageImpl() == storage) {
         return tensor_over(device_storage, c10::DispatchKey::PrivateUse1, host);
       }
     }
@@ -227,7 +238,7 @@ class HostCall {
     // Adopt the memory when only this result holds it (the local copy above accounts for one).
     const bool sole_owner = host_storage.use_count() <= 2 && !copies_;
     c10::Storage device_storage = device_storage_from(host_storage, device_, sole_owner);
-    results_.emplace_back(storage, device_storage);
+    results_.emplace_back(host_storage, device_storage);
     return tensor_over(device_storage, c10::DispatchKey::PrivateUse1, host);
   }
 
@@ -253,8 +264,10 @@ class HostCall {
   bool copies_;
   c10::DeviceIndex device_;
   c10::SmallVector<Slot, 4> slots_;
-  c10::SmallVector<std::pair<c10::TensorImpl*, at::Tensor>, 8> tensors_;
-  c10::SmallVector<std::pair<const c10::StorageImpl*, c10::Storage>, 2> results_;
+  // (host, device) pairs, the host side held: a result made after the arguments were released (see
+  // `lays_out_by_strides`) could otherwise take a released host view's address and pass for it.
+  c10::SmallVector<std::pair<at::Tensor, at::Tensor>, 8> tensors_;
+  c10::SmallVector<std::pair<c10::Storage, c10::Storage>, 2> results_;
 };
 
 bool is_device_tensor(const c10::IValue& v) {
@@ -338,7 +351,9 @@ void run_on_host(const c10::OperatorHandle& op, torch::jit::Stack* stack, const 
   const size_t num_returns = schema.returns().size();
   for (size_t i = stack->size() - num_returns; i < stack->size(); ++i) {
     c10::IValue& v = (*stack)[i];
-    if (v.isTensor()) {
+    if (v.isTensor() && entry.contiguous_results) {
+      v = call.to_device(v.toTensor().contiguous());
+    } else if (v.isTensor()) {
       v = call.to_device(v.toTensor());
     } else if (v.isTensorList()) {
       c10::List<at::Tensor> results;
