@@ -41,11 +41,12 @@ ROOT = Path(__file__).resolve().parent.parent
 TABLE = ROOT / "docs" / "coverage_multimodal.md"
 RESULTS = ROOT / "docs" / "coverage_multimodal.json"
 DEFAULT_TIMEOUT = 240.0
-# The fixed sample of CI (tests/test_coverage_multimodal.py): a compiled CTC forward, a speech model's own
-# generate() arguments (its processor's `audio_chunk_index`), an encoder-decoder with images. (Compiling
-# costs 40-60 s a type: GOT-OCR 2's features read as one tensor and FastSpeech2's convolution layouts are
-# tested alone, in tests/test_vision_language.py and tests/test_compile.py.)
-SAMPLE = ("ctc:wav2vec2", "speech-seq2seq:cohere_asr", "image-text-to-text:florence2")
+# The fixed sample of CI (tests/test_coverage_multimodal.py): a speech model's own generate() arguments (its
+# processor's `audio_chunk_index`), an encoder-decoder with images. (Compiling costs 30-60 s a type, which the
+# CI budget does not hold: compiled CTC models, GOT-OCR 2's features read as one tensor and FastSpeech2's
+# convolution layouts are left to the full sweep, the last two also tested alone, in
+# tests/test_vision_language.py and tests/test_compile.py.)
+SAMPLE = ("speech-seq2seq:cohere_asr", "image-text-to-text:florence2")
 RTOL, ATOL = 1e-4, 1e-4  # (see the module's docstring)
 
 _spec = importlib.util.spec_from_file_location("causal_lm_coverage", Path(__file__).with_name("coverage.py"))

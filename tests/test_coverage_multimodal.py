@@ -55,7 +55,7 @@ def test_tiny_configs_split_multimodal_rotary_sections_over_the_tiny_head():
 def test_the_sample_spreads_over_the_tasks_and_runs_on_the_cpu():
     assert set(coverage.SAMPLE) <= set(BY_TYPE)
     assert all(coverage.causal.runnable_on_cpu(BY_TYPE[name]) for name in coverage.SAMPLE)
-    assert len({name.split(":")[0] for name in coverage.SAMPLE}) >= 3
+    assert len({name.split(":")[0] for name in coverage.SAMPLE}) >= 2  # (speech and images)
 
 
 # The table's columns of how a type runs (its other columns, graphs and StableHLO, are of how it compiles).
