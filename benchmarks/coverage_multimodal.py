@@ -135,8 +135,6 @@ def tiny_config(model_type: str):
 
 def _source_reads(model_type: str, name: str) -> bool:
     """Whether the type's modeling code (beside its configuration's) mentions `name`."""
-    import importlib.util
-
     from transformers import CONFIG_MAPPING
 
     configuration = Path(importlib.util.find_spec(CONFIG_MAPPING[model_type].__module__).origin)
@@ -365,7 +363,7 @@ def _image_inputs(model_type: str, model, ids) -> dict:
         raise ValueError("no image token id or no get_image_features: not a placeholder-merging model")
     with torch.no_grad():
         features = model.get_image_features(**images)
-    count = _rows(getattr(features, "pooler_output", None) if hasattr(features, "pooler_output") else features)
+    count = _rows(getattr(features, "pooler_output", features))
     half = ids.shape[1] // 2
     ids = torch.cat([ids[:, :half], torch.full((1, count), token), ids[:, half:]], dim=1)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **images}

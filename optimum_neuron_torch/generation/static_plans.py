@@ -59,10 +59,11 @@ def plan(buckets: Buckets, input_ids: torch.Tensor | None, config: GenerationCon
             return why
     if input_ids is None or input_ids.ndim != 2:
         return "generation without a 2D tensor of input ids"
-    encoder_inputs = sorted(name for name, value in kwargs.items()
-                            if isinstance(value, torch.Tensor) and name not in SEQ2SEQ_TENSORS)
-    if encoder_decoder and encoder_inputs:  # (the compiled encoder would run without them)
-        return f"the encoder inputs {', '.join(encoder_inputs)} (the compiled encoder takes input ids only)"
+    if encoder_decoder:  # (the compiled encoder would run without the call's other encoder inputs)
+        encoder_inputs = sorted(name for name, value in kwargs.items()
+                                if isinstance(value, torch.Tensor) and name not in SEQ2SEQ_TENSORS)
+        if encoder_inputs:
+            return f"the encoder inputs {', '.join(encoder_inputs)} (the compiled encoder takes input ids only)"
     mode = config.get_generation_mode()
     if mode not in SUPPORTED_MODES:
         return f"{mode.value.replace('_', ' ')} (num_beams={config.num_beams})"
